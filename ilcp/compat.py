@@ -1,0 +1,92 @@
+"""The one place that knows how transformers versions differ.
+
+transformers 5.x renamed the key/value cache of model forwards: ``forward(..., cache=...)``
+returning ``outputs.cache`` (5.24; the old ``past_key_values`` name is still accepted with a
+deprecation warning until 5.40). transformers 4.57, which the vLLM environment pins, only knows
+``forward(..., past_key_values=...)`` returning ``outputs.past_key_values``. Every other module
+builds its forward arguments and reads caches through the helpers below, so a version bump is a
+change to this file alone. Decisions are made by inspecting a model class's forward signature
+(once per class), not by comparing version strings, so wrappers that follow either convention
+work too.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import nn
+
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(model_class.forward).parameters)
+    except (TypeError, ValueError):  # builtins or odd wrappers: nothing to inspect
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def cache_argument_name(model_class: type) -> str:
+    """The forward keyword that takes the key/value cache: ``"cache"`` (5.x) or ``"past_key_values"``."""
+    params = _forward_parameters(model_class)
+    for name in _CACHE_NAMES:
+        if name in params:
+            return name
+    # A forward that only takes **kwargs: follow the installed library's convention.
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_kwargs(model: nn.Module, cache) -> dict:
+    """``{name: cache}`` for ``model(**inputs, **cache_kwargs(model, cache))``."""
+    return {cache_argument_name(type(model)): cache}
+
+
+def output_cache(outputs):
+    """The key/value cache a forward returned (``outputs.cache`` or ``outputs.past_key_values``).
+
+    Reads the field without touching deprecated properties, so no warning is logged.
+    """
+    fields = getattr(outputs, "__dataclass_fields__", {})
+    for name in _CACHE_NAMES:
+        if name in fields:
+            return getattr(outputs, name)
+    if isinstance(outputs, dict):
+        for name in _CACHE_NAMES:
+            if name in outputs:
+                return outputs[name]
+    raise ValueError(f"{type(outputs).__name__} carries no key/value cache (was use_cache=True passed?)")
+
+
+def new_dynamic_cache(model: nn.Module):
+    """An empty `DynamicCache` for ``model`` (built from its config where the class accepts one,
+    which sizes sliding-window layers correctly)."""
+    from transformers import DynamicCache
+
+    params = _init_parameters(DynamicCache)
+    config = getattr(model, "config", None)
+    if "config" in params and hasattr(config, "get_text_config"):  # a transformers config
+        return DynamicCache(config=config)
+    return DynamicCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _init_parameters(cls: type) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def logits_to_keep_kwargs(model: nn.Module, n: int) -> dict:
+    """Ask the forward for the logits of the last ``n`` positions only, where it supports that
+    (``logits_to_keep``; ``num_logits_to_keep`` in older releases); ``{}`` otherwise."""
+    params = _forward_parameters(type(model))
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: n}
+    return {}

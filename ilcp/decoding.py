@@ -1,0 +1,312 @@
+"""Prefix assembly and the one greedy decoder that every evaluation method uses.
+
+A receiver's prefix is a sequence of parts in embedding space: soft-prompt vectors (ILCP memory,
+tuned constant vectors), received rows (RCLC) and rendered prompt text. `assemble_prefix` turns
+the parts into one (L, H) tensor; `greedy_decode` decodes many prefixes in left-padded batches:
+one wide prefill over ``inputs_embeds`` with an attention mask and explicit position ids, then
+single-token steps that reuse the key/value cache. Position ids count from 0 at each row's
+first real position, so a row decodes the same tokens whatever it is batched with.
+
+    from ilcp.decoding import assemble_prefix, greedy_decode
+    prefix = assemble_prefix(model, tok, [memory[0], question_prompt(tok, "Where is John?")])
+    greedy_decode(model, tok, [prefix], max_new_tokens=8)   # -> ["hallway"]
+
+The model is frozen: nothing here changes its weights, mode or configuration. Cache arguments
+go through `ilcp.compat`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ilcp import compat
+
+__all__ = [
+    "DecodeResult",
+    "assemble_prefix",
+    "decode_one",
+    "embed_text",
+    "greedy_decode",
+    "greedy_decode_ids",
+    "left_pad",
+    "stop_token_ids",
+]
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """One decoded request with its timings.
+
+    Attributes:
+        text: the decoded answer (special tokens removed, stripped).
+        prefill_s: seconds from the start of the prefill to the first token (time to first token).
+        total_s: seconds for the whole request (prefill and every decode step).
+        new_tokens: tokens generated, counting the stop token when one was produced.
+        prefill_positions: length L of the prefix the receiver prefilled.
+    """
+
+    text: str
+    prefill_s: float
+    total_s: float
+    new_tokens: int
+    prefill_positions: int
+
+
+def _embedding(model: nn.Module) -> nn.Module:
+    return model.get_input_embeddings()
+
+
+def embed_text(model: nn.Module, tokenizer, text: str) -> torch.Tensor:
+    """Token embeddings (L, H) of ``text``, tokenized without adding special tokens (a rendered
+    chat template already contains them). Empty text gives (0, H)."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    emb = _embedding(model)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor(ids, dtype=torch.long, device=emb.weight.device)
+    with torch.no_grad():
+        return emb(ids)
+
+
+def assemble_prefix(model: nn.Module, tokenizer, parts: Sequence[torch.Tensor | str]) -> torch.Tensor:
+    """Concatenate prefix parts in order into one (L, H) tensor in the model's embedding dtype.
+
+    A tensor part is (n, H) rows already in embedding space (soft-prompt vectors, received rows);
+    it is cast to the embedding dtype and device, and keeps its autograd history (soft prompts
+    train through it). A str part is embedded with `embed_text`.
+
+    Raises:
+        ValueError: a tensor part is not rank 2 or has the wrong hidden size; a part is neither a
+            tensor nor a str; the parts are empty.
+    """
+    weight = _embedding(model).weight
+    hidden = weight.shape[1]
+    if isinstance(parts, (str, torch.Tensor)):
+        raise ValueError("parts must be a sequence of tensors and strings, not a single part")
+    out = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            out.append(embed_text(model, tokenizer, part))
+        elif isinstance(part, torch.Tensor):
+            if part.dim() != 2 or part.shape[1] != hidden:
+                raise ValueError(f"prefix part {i} has shape {tuple(part.shape)}; expected (n, {hidden})")
+            if not part.is_floating_point():
+                raise ValueError(f"prefix part {i} has dtype {part.dtype}; expected embedding vectors")
+            out.append(part.to(device=weight.device, dtype=weight.dtype))
+        else:
+            raise ValueError(f"prefix part {i} is a {type(part).__name__}; expected a tensor or a str")
+    if not out:
+        raise ValueError("no prefix parts given")
+    return torch.cat(out, dim=0)
+
+
+def left_pad(prefixes: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad (L_i, H) prefixes into one batch.
+
+    Returns:
+        inputs_embeds (B, L, H) with zero vectors as padding, in the first prefix's dtype and
+        device; attention_mask (B, L) long, 0 on padding; position_ids (B, L) long, 0 at each
+        row's first real position (padding positions get 1, as transformers' generate does).
+
+    Raises:
+        ValueError: no prefixes, a prefix that is not (L_i, H) with L_i >= 1, or mixed H.
+    """
+    if len(prefixes) == 0:
+        raise ValueError("no prefixes given")
+    for i, p in enumerate(prefixes):
+        if not isinstance(p, torch.Tensor) or p.dim() != 2:
+            raise ValueError(f"prefix {i} must be a (L, H) tensor, got {getattr(p, 'shape', type(p))}")
+        if p.shape[0] == 0:
+            raise ValueError(f"prefix {i} is empty")
+        if p.shape[1] != prefixes[0].shape[1]:
+            raise ValueError(f"prefix {i} has hidden size {p.shape[1]}, prefix 0 has {prefixes[0].shape[1]}")
+    ref = prefixes[0]
+    length = max(p.shape[0] for p in prefixes)
+    rows, masks = [], []
+    for p in prefixes:
+        pad = length - p.shape[0]
+        p = p.to(device=ref.device, dtype=ref.dtype)
+        rows.append(torch.cat([p.new_zeros(pad, p.shape[1]), p], dim=0) if pad else p)
+        masks.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(p.shape[0], dtype=torch.long)]))
+    attention_mask = torch.stack(masks).to(ref.device)
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    return torch.stack(rows), attention_mask, position_ids
+
+
+def stop_token_ids(model: nn.Module, tokenizer) -> set[int]:
+    """Token ids that end an answer: the tokenizer's EOS, the config's and generation config's
+    EOS ids, and ``<|im_end|>`` where the vocabulary has it."""
+    ids: set[int] = set()
+
+    def add(value):
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple, set)) else [value]:
+            if isinstance(v, int) and v >= 0:
+                ids.add(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        add(getattr(cfg, "eos_token_id", None))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if im_end != getattr(tokenizer, "unk_token_id", None):
+        add(im_end)
+    return ids
+
+
+def _answer_text(tokenizer, ids: list[int], stop_at_newline: bool) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return text.split("\n", 1)[0].strip() if stop_at_newline else text
+
+
+def _has_line(tokenizer, ids: list[int]) -> bool:
+    """True once the decoded text has a non-empty line followed by a newline."""
+    return "\n" in tokenizer.decode(ids, skip_special_tokens=True).lstrip()
+
+
+def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, stops):
+    """Greedy-decode one left-padded batch.
+
+    Returns (answer token ids per row without the stop token, tokens generated per row counting
+    the stop token, prefill_s, total_s)."""
+    embed = _embedding(model)
+    start = time.perf_counter()
+    inputs_embeds, mask, positions = left_pad(prefixes)
+    inputs_embeds = inputs_embeds.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    mask, positions = mask.to(inputs_embeds.device), positions.to(inputs_embeds.device)
+    cache = compat.new_dynamic_cache(model)
+    out = model(
+        inputs_embeds=inputs_embeds,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **compat.cache_kwargs(model, cache),
+        **compat.logits_to_keep_kwargs(model, 1),
+    )
+    token = out.logits[:, -1, :].argmax(dim=-1)
+    first = token.tolist()  # synchronises with the device: the first token exists now
+    prefill_s = time.perf_counter() - start
+    batch = len(prefixes)
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    counts = [0] * batch
+    step_tokens = first
+    position = positions[:, -1:]
+    for step in range(max_new_tokens):
+        for i, t in enumerate(step_tokens):
+            if done[i]:
+                continue
+            counts[i] += 1
+            if t in stops:
+                done[i] = True
+                continue
+            generated[i].append(t)
+            if stop_at_newline and _has_line(tokenizer, generated[i]):
+                done[i] = True
+        if all(done) or step == max_new_tokens - 1:
+            break
+        cache = compat.output_cache(out)
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        position = position + 1
+        out = model(
+            inputs_embeds=embed(token[:, None]),
+            attention_mask=mask,
+            position_ids=position,
+            use_cache=True,
+            **compat.cache_kwargs(model, cache),
+        )
+        token = out.logits[:, -1, :].argmax(dim=-1)
+        step_tokens = token.tolist()
+    return generated, counts, prefill_s, time.perf_counter() - start
+
+
+def _check_decode_args(prefixes, max_new_tokens, batch_size):
+    if isinstance(prefixes, torch.Tensor) or not isinstance(prefixes, Sequence):
+        raise ValueError("prefixes must be a list of (L_i, H) tensors")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def greedy_decode_ids(
+    model: nn.Module,
+    tokenizer,
+    prefixes: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int = 8,
+    batch_size: int = 8,
+    stop_at_newline: bool = False,
+) -> list[list[int]]:
+    """The answer token ids behind `greedy_decode` (stop tokens excluded), one list per prefix."""
+    _check_decode_args(prefixes, max_new_tokens, batch_size)
+    stops = stop_token_ids(model, tokenizer)
+    ids: list[list[int]] = []
+    with torch.inference_mode():
+        for s in range(0, len(prefixes), batch_size):
+            chunk = prefixes[s:s + batch_size]
+            ids.extend(_decode_chunk(model, tokenizer, chunk, max_new_tokens, stop_at_newline, stops)[0])
+    return ids
+
+
+def greedy_decode(
+    model: nn.Module,
+    tokenizer,
+    prefixes: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int = 8,
+    batch_size: int = 8,
+    stop_at_newline: bool = False,
+) -> list[str]:
+    """Greedy answers for (L_i, H) prefixes, decoded ``batch_size`` at a time.
+
+    Each chunk gets one prefill over the left-padded prefixes, then single-token steps reusing
+    the cache, until every row produced a stop token (`stop_token_ids`) or ``max_new_tokens``
+    tokens. With ``stop_at_newline`` a row also stops once its answer has a complete first line,
+    and only that line is returned. Prefixes are cast to the model's embedding dtype and device.
+    Results do not depend on ``batch_size``.
+
+    Returns:
+        one string per prefix, in order, without special tokens, stripped.
+    """
+    ids = greedy_decode_ids(
+        model, tokenizer, prefixes,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, stop_at_newline=stop_at_newline,
+    )
+    return [_answer_text(tokenizer, row, stop_at_newline) for row in ids]
+
+
+def decode_one(
+    model: nn.Module,
+    tokenizer,
+    prefix: torch.Tensor,
+    *,
+    max_new_tokens: int = 8,
+    stop_at_newline: bool = False,
+) -> DecodeResult:
+    """Decode a single unbatched (L, H) prefix and time it (see `DecodeResult`).
+
+    On CUDA the model's device is synchronised before the clock starts; reading the first token back
+    synchronises it again, so ``prefill_s`` is a real time to first token.
+    """
+    _check_decode_args([prefix], max_new_tokens, 1)
+    stops = stop_token_ids(model, tokenizer)
+    with torch.inference_mode():
+        device = _embedding(model).weight.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ids, counts, prefill_s, total_s = _decode_chunk(
+            model, tokenizer, [prefix], max_new_tokens, stop_at_newline, stops
+        )
+    return DecodeResult(
+        text=_answer_text(tokenizer, ids[0], stop_at_newline),
+        prefill_s=prefill_s,
+        total_s=total_s,
+        new_tokens=counts[0],
+        prefill_positions=int(prefix.shape[0]),
+    )
