@@ -1,0 +1,28 @@
+"""Built-in selectors and the selector contract (see `ilcp.rclc.selectors.base`).
+
+``cacheback`` (the default), ``qsnap`` and ``chunkkv`` are ready-made instances; build your own
+settings from the classes, e.g. ``CacheBack(window=8)``.
+"""
+
+from ilcp.rclc.selectors.base import (
+    AttentionProfile,
+    Selector,
+    attention_profile,
+    is_builtin,
+    select_groups,
+    validate_positions,
+)
+from ilcp.rclc.selectors.cacheback import CacheBack
+from ilcp.rclc.selectors.chunkkv import ChunkKV
+from ilcp.rclc.selectors.qsnap import QSnap
+
+cacheback = CacheBack()
+qsnap = QSnap()
+chunkkv = ChunkKV()
+DEFAULT_SELECTOR = cacheback
+
+__all__ = [
+    "AttentionProfile", "CacheBack", "ChunkKV", "DEFAULT_SELECTOR", "QSnap", "Selector",
+    "attention_profile", "cacheback", "chunkkv", "is_builtin", "qsnap", "select_groups",
+    "validate_positions",
+]

@@ -1,0 +1,230 @@
+"""The selector contract, the shared attention-scoring pass and the shared selection routine.
+
+A selector is any callable ``selector(sender, request_ids, budget) -> positions``:
+
+- ``sender``: the `SenderState` to select from (read-only);
+- ``request_ids``: int64 [1, R] request tokens in the sender's vocabulary;
+- ``budget``: the most positions it may return;
+- ``positions``: sorted, unique int64 positions in ``[0, sender.positions)``, at most ``budget``.
+
+Built-in selectors subclass `Selector`: they keep position 0 and the latent tail by rule (both
+count toward the budget), score the rest from one forward on a private cache copy with eager
+attention, and pick positions with `select_groups`.
+
+Attention sinks: the first positions of a context draw most of every query's attention in every
+layer, whatever the request. Scores therefore drop the first ``sink_size`` key positions and
+renormalise each query's attention over the rest before averaging; the sink window is ranked
+last (position 0 is kept by rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ilcp.rclc import _compat, hf
+from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.budget import protected_count
+
+
+@dataclass
+class AttentionProfile:
+    """Attention the sender's positions receive, averaged over layers, heads and queries.
+
+    Attributes:
+        request: [T] from the request tokens appended after the sender's rows (zeros without a request).
+        tail: [T] from the sender's own last ``tail_queries`` positions (zeros when none).
+        sink: the size of the sink window excluded from both.
+    """
+
+    request: torch.Tensor
+    tail: torch.Tensor
+    sink: int
+
+
+def attention_profile(sender, request_ids: torch.Tensor | None, *, tail_queries: int = 16, sink_size: int = 4) -> AttentionProfile:
+    """One eager-attention forward on a private copy of the sender's cache.
+
+    The copy is cropped to ``T - t`` positions (``t = min(tail_queries, T - 1)``) and the last
+    ``t`` sender rows plus the request tokens are fed after it, so one pass yields both the
+    request's attention to every position and the sender tail's attention to its own past.
+    Heads are averaged over query heads (under grouped-query attention each KV group has the
+    same number of query heads, so this is also the mean over groups).
+
+    Args:
+        sender: SenderState with T positions.
+        request_ids: int64 [1, R] or None.
+    Returns:
+        AttentionProfile with float32 CPU tensors [T].
+    """
+    total = sender.positions
+    t = max(0, min(tail_queries, total - 1))
+    model = sender.model
+    with MODEL_LOCK:
+        rows = sender.input_embeds[total - t:]
+        r = 0
+        if request_ids is not None and request_ids.numel():
+            request_rows = hf.embed_ids(model, request_ids.reshape(-1))
+            r = int(request_rows.shape[0])
+            rows = torch.cat([rows, request_rows.to(rows.dtype)], dim=0)
+        if rows.shape[0] == 0:
+            zeros = torch.zeros(total)
+            return AttentionProfile(zeros, zeros.clone(), min(sink_size, total))
+        cache = _compat.clone_cache(sender.past_key_values)
+        _compat.crop_cache(cache, total - t)
+        with hf.eager_attention(model):
+            outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
+        attentions = getattr(outputs, "attentions", None)
+        if not attentions:
+            raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
+    sink = sink_size if total > sink_size else min(1, total)
+    request = torch.zeros(total)
+    tail = torch.zeros(total)
+    for layer in attentions:
+        weights = layer[0, :, :, :total].float().cpu()  # [heads, t + R, T]
+        weights[..., :sink] = 0.0
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+        if t:
+            tail += weights[:, :t].mean(dim=(0, 1))
+        if r:
+            request += weights[:, t:].mean(dim=(0, 1))
+    layers = len(attentions)
+    return AttentionProfile(request / layers, tail / layers, sink)
+
+
+def select_groups(
+    scores: torch.Tensor,
+    budget: int,
+    protected: torch.Tensor,
+    *,
+    group_size: int = 1,
+    reduce: str = "max",
+) -> torch.Tensor:
+    """Keep ``protected``, then whole groups of ``group_size`` positions by descending group score.
+
+    Groups are consecutive, aligned at 0; a group's score is the max or sum of its positions'
+    scores. The last group that does not fit is trimmed to its best-scoring positions. Ties go
+    to the earlier position.
+
+    Args:
+        scores: [T] per-position scores.
+        budget: positions to return (at least ``len(protected)``; at most T are returned).
+        protected: int64 [P] positions kept unconditionally.
+    Returns:
+        int64 [min(budget, T)] sorted positions.
+    """
+    total = int(scores.shape[0])
+    keep = torch.zeros(total, dtype=torch.bool)
+    keep[protected] = True
+    left = min(budget, total) - int(keep.sum())
+    if left < 0:
+        raise ValueError(f"budget {budget} is smaller than the {int(keep.sum())} protected positions")
+    scores = scores.float().cpu()
+    starts = list(range(0, total, group_size))
+    if reduce == "max":
+        group_scores = torch.stack([scores[s:s + group_size].max() for s in starts])
+    elif reduce == "sum":
+        group_scores = torch.stack([scores[s:s + group_size].sum() for s in starts])
+    else:
+        raise ValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
+    order = torch.sort(-group_scores, stable=True).indices.tolist()
+    for g in order:
+        if left <= 0:
+            break
+        members = torch.arange(starts[g], min(starts[g] + group_size, total))
+        members = members[~keep[members]]
+        if members.numel() == 0:
+            continue
+        if members.numel() > left:
+            best = torch.sort(-scores[members], stable=True).indices[:left]
+            members = members[best]
+        keep[members] = True
+        left -= int(members.numel())
+    return keep.nonzero().flatten()
+
+
+def validate_positions(positions, total: int, budget: int) -> torch.Tensor:
+    """Check a selector's result; returns it as an int64 CPU vector.
+
+    Raises:
+        TypeError / ValueError: not integers, not 1-D, not sorted and unique, out of
+        ``[0, total)``, or more than ``budget`` positions.
+    """
+    if isinstance(positions, torch.Tensor):
+        tensor = positions.detach().cpu()
+    else:
+        try:
+            values = list(positions)
+        except TypeError:
+            raise TypeError(f"a selector must return a sequence of positions, got {type(positions).__name__}") from None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise TypeError("a selector's positions must be ints")
+        tensor = torch.tensor(values, dtype=torch.long)
+    if tensor.dtype in (torch.bool,) or tensor.is_floating_point() or tensor.is_complex():
+        raise TypeError(f"a selector's positions must be integers, got {tensor.dtype}")
+    tensor = tensor.to(torch.long)
+    if tensor.dim() != 1:
+        raise ValueError(f"a selector must return a 1-D vector of positions, got shape {tuple(tensor.shape)}")
+    if tensor.numel() > budget:
+        raise ValueError(f"the selector returned {tensor.numel()} positions for a budget of {budget}")
+    if tensor.numel():
+        if int(tensor.min()) < 0 or int(tensor.max()) >= total:
+            raise ValueError(f"selected positions must lie in [0, {total}), got [{int(tensor.min())}, {int(tensor.max())}]")
+        if tensor.numel() > 1 and bool((tensor[1:] <= tensor[:-1]).any()):
+            raise ValueError("selected positions must be sorted and unique")
+    return tensor
+
+
+@dataclass
+class Selector:
+    """Base of the built-in selectors: protection, the all-fits shortcut and shared selection.
+
+    Attributes:
+        sink_size: leading positions excluded from attention ranking (position 0 is kept anyway).
+    """
+
+    sink_size: int = 4
+
+    tail_queries = 0
+    group_size = 1
+    group_reduce = "max"
+
+    def protected_positions(self, sender) -> torch.Tensor:
+        """int64 [P]: position 0 and the latent tail."""
+        total, latent = sender.positions, sender.latent_steps
+        tail = list(range(total - latent, total))
+        return torch.tensor(sorted({0, *tail}) if total > latent else tail, dtype=torch.long)
+
+    def protected_count(self, total: int, latent_steps: int) -> int:
+        return protected_count(total, latent_steps)
+
+    def score(self, profile: AttentionProfile) -> torch.Tensor:
+        """[T] per-position scores from the attention profile."""
+        raise NotImplementedError
+
+    def __call__(self, sender, request_ids: torch.Tensor | None, budget: int) -> torch.Tensor:
+        """Positions to keep: int64 [min(budget, T)], sorted.
+
+        Raises:
+            ValueError: the budget cannot hold position 0 and the latent tail.
+        """
+        total = sender.positions
+        protected = self.protected_positions(sender)
+        if budget < protected.numel():
+            raise ValueError(
+                f"a budget of {budget} cannot hold position 0 and the {sender.latent_steps}-row latent tail"
+            )
+        if budget >= total:
+            return torch.arange(total)
+        if budget == protected.numel():
+            return protected
+        profile = attention_profile(sender, request_ids, tail_queries=self.tail_queries, sink_size=self.sink_size)
+        scores = self.score(profile)
+        scores[: profile.sink] = 0.0
+        return select_groups(scores, budget, protected, group_size=self.group_size, reduce=self.group_reduce)
+
+
+def is_builtin(selector) -> bool:
+    """Built-in selectors reserve their protected positions when budgets are fitted."""
+    return isinstance(selector, Selector)
