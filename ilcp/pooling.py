@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from .io import atomic_save_safetensors
 from .lm import LM, default_cache_dir
 
 
@@ -244,17 +245,3 @@ def cached_pooled_states(
                            trainer_kwargs=trainer_kwargs, progress=progress)
     atomic_save_safetensors({"pooled": pooled.contiguous()}, path, {"key": key_json, "row_ids": ids_json})
     return pooled, path, False
-
-
-def atomic_save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,0 +1,253 @@
+"""Typed training configuration: defaults, then a YAML file, then ``key=value`` overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["handoff.max_steps=4", "run_name=smoke"])
+
+Every field carries its help text (``field(metadata={"help": ...})``); `__post_init__` checks
+each section, and `TrainConfig.validate` checks combinations, so a bad config is a ValueError
+naming the field before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from .lm import DEFAULT_LM
+
+VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class LMConfig:
+    spec: str = _f(DEFAULT_LM, "LM to load: 'smollm2-135m-instruct', 'tiny-qwen3', a local HF directory or a hub id")
+    dtype: str = _f("float32", "parameter dtype of the frozen LM: float32, bfloat16 or float16")
+    cache_dir: str | None = _f(None, "where converted models and pooled states are cached (default $ILCP_CACHE or ~/.cache/ilcp)")
+
+    def __post_init__(self):
+        if self.dtype not in {"float32", "bfloat16", "float16"}:
+            raise ValueError(f"lm.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DataConfig:
+    task: str = _f("babi:1", "training task: 'babi:N' or 'facts'")
+    babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
+    train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
+    val_size: int = _f(200, "validation rows for the teacher-forced loss")
+    val_decode_size: int = _f(64, "validation rows decoded greedily for exact match (a fixed subset)")
+    facts_n_facts: int = _f(4, "facts task: facts stated in each context")
+    facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
+    max_length: int = _f(512, "context tokens pooled (longer contexts keep their last tokens)")
+    pool_layers: list = _f([-1], "hidden-state layers mean-pooled and concatenated (-1 = last)")
+    pool_batch_size: int = _f(16, "batch size of pooled-state extraction")
+    seed: int = _f(0, "seed of the validation split and of procedural tasks")
+
+    def __post_init__(self):
+        if not (self.task == "facts" or self.task.startswith("babi:")):
+            raise ValueError(f"data.task must be 'babi:N' or 'facts', got {self.task!r}")
+        if self.babi_variant not in {"en", "en-10k"}:
+            raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
+        for name in ("train_size", "val_size", "val_decode_size", "max_length", "pool_batch_size", "facts_n_facts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.facts_n_distractors < 0:
+            raise ValueError(f"data.facts_n_distractors must be >= 0, got {self.facts_n_distractors}")
+        if not self.pool_layers or not all(isinstance(i, int) for i in self.pool_layers):
+            raise ValueError(f"data.pool_layers must be a non-empty list of ints, got {self.pool_layers!r}")
+
+
+@dataclass
+class CompressorConfig:
+    latent_dim: int = _f(32, "latent width: the payload is latent_dim floats (32 x float32 = 128 bytes)")
+    hidden_dim: int = _f(512, "width of the VAE body and decoder")
+    beta: float = _f(0.1, "weight of the KL term")
+    kl_warmup_steps: int = _f(200, "steps over which the KL weight ramps from 0 to beta (0 = none)")
+    epochs: int = _f(60, "stage-1 epochs over the training pooled states")
+    batch_size: int = _f(64, "stage-1 batch size")
+    lr: float = _f(1e-3, "stage-1 AdamW learning rate")
+
+    def __post_init__(self):
+        for name in ("latent_dim", "hidden_dim", "epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
+            raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
+
+
+@dataclass
+class HandoffConfig:
+    variants: list = _f(list(VARIANTS), "what stage 2 trains: any of ilcp, prompt_tuned, cold_read_tuned")
+    num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt")
+    projector_hidden: int = _f(512, "width of the projector's trunk")
+    finetune_encoder: bool = _f(True, "let the answer loss reach the VAE encoder (False = the spec's frozen encoder)")
+    joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
+    max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants)")
+    batch_size: int = _f(8, "stage-2 batch size")
+    lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt")
+    encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on")
+    weight_decay: float = _f(0.0, "stage-2 AdamW weight decay")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    val_every_steps: int = _f(40, "validate (loss + greedy exact match) every N steps and at the end")
+    max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+
+    def __post_init__(self):
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(f"handoff.variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants!r}")
+        for name in ("num_memory_tokens", "projector_hidden", "max_steps", "batch_size", "val_every_steps", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.encoder_lr <= 0:
+            raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
+        if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError("handoff.joint_kl_weight, warmup_steps and weight_decay must be >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu")
+    devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto')")
+    num_nodes: int = _f(1, "Lightning num_nodes")
+    strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ...")
+    precision: str = _f("32-true", "Lightning precision: 32-true, bf16-mixed, bf16-true, ...")
+    seed: int = _f(0, "global seed for initialisation and batch order")
+    progress: bool = _f(True, "show progress bars")
+
+    def __post_init__(self):
+        if self.num_nodes < 1:
+            raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = _f("default", "the run's folder under out_dir")
+    out_dir: str = _f("checkpoints", "where runs are written")
+    lm: LMConfig = field(default_factory=LMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.run_name or "/" in self.run_name or self.run_name in {".", ".."}:
+            raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
+        if self.data.val_decode_size > self.data.val_size:
+            raise ValueError(
+                f"data.val_decode_size ({self.data.val_decode_size}) must be <= data.val_size ({self.data.val_size})"
+            )
+        if self.handoff.joint_kl_weight > 0 and not self.handoff.finetune_encoder:
+            raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
+        if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
+            raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.run_name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Defaults, then the YAML file at `path` (if any), then ``section.key=value`` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. handoff.max_steps=50)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return from_dict(TrainConfig, data)
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config field(s) {[prefix + u for u in unknown]}; known: {[prefix + k for k in fields]}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = from_dict(hint, value or {}, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+def _coerce(value, hint, name: str):
+    if hint is Any:
+        return value
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) is not None and type(None) in get_args(hint):
+        if value is None:
+            return None
+        hint = args[0]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif hint is list or get_origin(hint) is list:
+        if isinstance(value, list):
+            return value
+    else:
+        return value
+    raise ValueError(f"config field {name!r} expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    """The resolved config as YAML (written atomically)."""
+    from .io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+
+
+def config_json(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)

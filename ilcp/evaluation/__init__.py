@@ -1,0 +1,1 @@
+"""Evaluation: the methods of the protocol, their metrics and the report."""

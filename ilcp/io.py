@@ -1,0 +1,45 @@
+"""Atomic writes: a temporary file in the destination's folder, then a rename.
+
+A crash or an exception mid-write leaves the previous file (or nothing) in place, never half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import Tensor
+
+
+def _atomic(path: Path, write) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    _atomic(path, write)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Contiguous copies (shared storage cloned) written as one safetensors file."""
+    clean = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    _atomic(path, lambda tmp: save_file(clean, tmp, metadata=metadata))

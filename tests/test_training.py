@@ -1,0 +1,161 @@
+"""Stage 1 + stage 2 on the tiny LM: export, reload, frozen LM untouched, resume, configs."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ilcp import training
+from ilcp.config import TrainConfig, load_config
+from ilcp.export import ExportError, check_fingerprint, read_export
+from ilcp.training import HandoffModule, train
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def raw_weight_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("runs")
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
+    before = raw_weight_digest(tiny_lm.model)
+    result = train(cfg, lm=tiny_lm)
+    after = raw_weight_digest(tiny_lm.model)
+    return cfg, result, before, after
+
+
+def test_tiny_run_exports_every_variant(tiny_run):
+    cfg, result, _, _ = tiny_run
+    run_dir = result.run_dir
+    for name in ("config.json", "model.safetensors", "prompt_tuned.safetensors", "cold_read_tuned.safetensors",
+                 "train_config.yaml", "metrics.json"):
+        assert (run_dir / name).is_file(), name
+    text = (run_dir / "config.json").read_text()
+    keys = [line.split(":")[0].strip() for line in text.splitlines() if line.startswith('  "')]
+    assert keys == sorted(keys)
+    for variant in ("ilcp", "prompt_tuned", "cold_read_tuned"):
+        m = result.metrics["variants"][variant]
+        assert m["steps"] == cfg.handoff.max_steps
+        assert m["curve"], "validation ran"
+        assert 0.0 <= m["best_val_exact_match"] <= 1.0
+    saved = yaml.safe_load((run_dir / "train_config.yaml").read_text())
+    assert saved["handoff"]["max_steps"] == cfg.handoff.max_steps
+
+
+def test_export_holds_no_lm_weights(tiny_run, tiny_lm):
+    _, result, _, _ = tiny_run
+    from safetensors.torch import load_file
+
+    lm_shapes = {tuple(p.shape) for p in tiny_lm.model.parameters()}
+    state = load_file(str(result.run_dir / "model.safetensors"))
+    assert all(k.startswith(("compressor.", "projector.")) for k in state)
+    assert "compressor.input_mean" in state and "compressor.input_std" in state
+    embed_shape = tuple(tiny_lm.model.get_input_embeddings().weight.shape)
+    assert all(tuple(v.shape) != embed_shape for v in state.values())
+    assert lm_shapes  # the LM has weights; none of them were written
+    for ckpt in result.run_dir.rglob("*.ckpt"):
+        sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+        assert not any(k.startswith("lm.") for k in sd), ckpt
+
+
+def test_frozen_lm_is_bit_identical(tiny_run, tiny_lm):
+    _, _, before, after = tiny_run
+    assert before == after
+    assert not any(p.requires_grad for p in tiny_lm.model.parameters())
+    assert not tiny_lm.model.training
+
+
+def test_reloaded_export_gives_the_same_memory_vectors(tiny_run, tiny_lm):
+    _, result, _, _ = tiny_run
+    run = read_export(result.run_dir)
+    check_fingerprint(run.config, tiny_lm.fingerprint)
+    module = result.modules["ilcp"].eval()
+    pooled = torch.randn(3, run.compressor.input_dim)
+    with torch.no_grad():
+        expected, _ = module.memory(pooled)
+        z = run.compressor.latent(pooled)
+        got = run.projector(z, dtype=expected.dtype)
+    assert got.shape == (3, run.config["num_memory_tokens"], tiny_lm.hidden_size)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for name in ("prompt_tuned", "cold_read_tuned"):
+        torch.testing.assert_close(run.soft_prompts[name], result.modules[name].soft_prompt.detach().float())
+
+
+def test_export_for_another_lm_is_refused(tiny_run):
+    _, result, _, _ = tiny_run
+    run = read_export(result.run_dir)
+    with pytest.raises(ExportError, match="fingerprint"):
+        check_fingerprint(run.config, "0123456789abcdef")
+
+
+def test_existing_run_is_not_overwritten_silently(tiny_run, tiny_lm):
+    cfg, _, _, _ = tiny_run
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg, lm=tiny_lm)
+
+
+def test_resume_continues_the_step_count(tmp_path, tiny_lm, monkeypatch):
+    base = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[prompt_tuned]",
+            "handoff.val_every_steps=2"]
+    first = train(load_config(TINY, base + ["handoff.max_steps=4"]), lm=tiny_lm)
+    assert first.metrics["variants"]["prompt_tuned"]["steps"] == 4
+    stage = first.run_dir / "stages" / "prompt_tuned"
+    assert (stage / "checkpoints" / "last.ckpt").is_file()
+    (stage / "prompt_tuned.safetensors").unlink()  # as if interrupted before the stage finished
+
+    calls = []
+    original = HandoffModule.training_step
+
+    def counting(self, batch, batch_idx):
+        calls.append(self.global_step)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(HandoffModule, "training_step", counting)
+    resumed = train(load_config(TINY, base + ["handoff.max_steps=6"]), lm=tiny_lm, resume=True)
+    assert resumed.metrics["variants"]["prompt_tuned"]["steps"] == 6
+    assert calls == [4, 5], "resumed at step 4 and ran only the missing steps"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("handoff.max_steps=0", "handoff.max_steps"),
+        ("handoff.num_memory_tokens=-1", "handoff.num_memory_tokens"),
+        ("handoff.variants=[ilcp,text]", "handoff.variants"),
+        ("compressor.latent_dim=0", "compressor.latent_dim"),
+        ("compressor.beta=-1", "compressor.beta"),
+        ("data.task=squad", "data.task"),
+        ("lm.dtype=int8", "lm.dtype"),
+        ("handoff.lr=fast", "handoff.lr"),
+        ("handoff.unknown=1", "handoff.unknown"),
+        ("data.val_decode_size=500", "data.val_decode_size"),
+    ],
+)
+def test_bad_config_is_a_value_error_naming_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_bad_config_fails_before_any_model_loads(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the LM must not load for an invalid config")
+
+    monkeypatch.setattr(training, "load_lm", boom)
+    with pytest.raises(ValueError):
+        load_config(None, ["handoff.batch_size=0"])
