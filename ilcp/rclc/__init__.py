@@ -1,2 +1,35 @@
+"""RCLC: hand a budgeted selection of a sender's input-embedding rows to receivers.
+
+    from ilcp import rclc
+    sender = rclc.sender_from_hf(model, tokenizer, sender_messages)
+    receiver = rclc.HFReceiver(model, tokenizer, messages=receiver_history, max_new_tokens=128)
+    rclc.transfer_sync(sender, receiver, "Who owns Cedar?")      # or: await rclc.transfer(...)
+    tokens = model.generate(**receiver.pop(), do_sample=False)
+
+See shared/spec/rclc-api.md for the full contract. Nothing here runs at import time.
+"""
+
+from ilcp.rclc import budget, selectors
+from ilcp.rclc.message import Delivery, Message
+from ilcp.rclc.reasoning import latent_mass, latent_mass_sync
+from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE, HFReceiver
+from ilcp.rclc.record import SelectionRecord
 from ilcp.rclc.sender import sender_from_hf
 from ilcp.rclc.state import SenderState
+from ilcp.rclc.transfer import transfer, transfer_sync
+
+__all__ = [
+    "DEFAULT_SLOT_TEMPLATE",
+    "Delivery",
+    "HFReceiver",
+    "Message",
+    "SelectionRecord",
+    "SenderState",
+    "budget",
+    "latent_mass",
+    "latent_mass_sync",
+    "selectors",
+    "sender_from_hf",
+    "transfer",
+    "transfer_sync",
+]

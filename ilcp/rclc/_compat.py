@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import torch
 from torch import nn
 
 _CACHE_NAMES = ("cache", "past_key_values")
@@ -61,3 +62,18 @@ def crop_cache(cache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of {cache_length(cache)} positions to {length}")
     if remove > 0:
         cache.crop(-remove)
+
+
+def cache_tensors(cache):
+    """Per-layer ``(keys, values)`` [batch, kv_heads, positions, head_dim], or None when the cache
+    class exposes neither ``layers`` (4.56+) nor ``key_cache``/``value_cache`` (older)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        pairs = [(getattr(l, "keys", None), getattr(l, "values", None)) for l in layers]
+        if all(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) for k, v in pairs):
+            return pairs
+        return None
+    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    if keys is not None and values is not None:
+        return list(zip(keys, values))
+    return None

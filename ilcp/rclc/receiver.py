@@ -1,0 +1,246 @@
+"""`HFReceiver`: an inbox of deliveries that turns each into ``model.generate`` inputs.
+
+Placement of the received rows:
+
+- ``"prefix"`` (default): rows first, then the freshly rendered prompt (history + request +
+  assistant prefix, thinking disabled). A fresh prefill; no receiver cache is spliced.
+- ``"in_prompt"``: rows at a marked slot inside the user turn. The user turn is
+  ``slot_template`` with ``{context}`` replaced by the rows and ``{request}`` by the request,
+  so the rows sit where the context text of a plain text handoff would sit. Small models such as
+  SmolLM2-135M do not read rows placed before a fresh chat prompt but do read them here.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ilcp.rclc import budget as budget_rules
+from ilcp.rclc import hf
+from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.message import Delivery
+
+PLACEMENTS = ("prefix", "in_prompt")
+DEFAULT_SLOT_TEMPLATE = "Context: {context}\nQuestion: {request}"
+_SLOT = "\u2063rclc-context-slot\u2063"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A receiver prompt split around the received rows.
+
+    Attributes:
+        before: int64 [1, a] tokens before the rows (empty for "prefix" placement).
+        after: int64 [1, b] tokens after the rows.
+    """
+
+    before: torch.Tensor
+    after: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        return int(self.before.shape[1] + self.after.shape[1])
+
+
+@dataclass(frozen=True)
+class ReceiverPlan:
+    """A receiver's snapshot for one request: its rendered prompt and the space left for rows."""
+
+    prompt: RenderedPrompt
+    space: int
+
+
+@dataclass
+class _Queued:
+    delivery: Delivery
+    prompt: RenderedPrompt
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class HFReceiver:
+    """A Hugging Face receiver: call it with a Delivery (or pass it to transfer), then pop().
+
+    Args:
+        model: the receiving causal LM (the sender's checkpoint).
+        tokenizer: its tokenizer (needed for string requests).
+        messages: chat history (system instructions and prior turns, not the request). Read at
+            each transfer, never modified.
+        max_new_tokens: output allowance passed to generate; unset reserves one position.
+        context_limit: at most the model's ``max_position_embeddings`` (the default).
+        placement: "prefix" or "in_prompt" (see the module docstring).
+        slot_template: user-turn text for "in_prompt", with one ``{context}`` and one ``{request}``.
+
+    Raises:
+        ValueError: a context limit above the model's, a bad placement or slot template.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        messages=None,
+        *,
+        max_new_tokens: int | None = None,
+        context_limit: int | None = None,
+        placement: str = "prefix",
+        slot_template: str = DEFAULT_SLOT_TEMPLATE,
+    ) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "get_input_embeddings"):
+            raise TypeError(f"model must be a Hugging Face model, got {type(model).__name__}")
+        model_limit = hf.context_limit(model)
+        if context_limit is None:
+            context_limit = model_limit
+        _positive(context_limit, "context_limit")
+        if context_limit > model_limit:
+            raise ValueError(f"context_limit={context_limit} exceeds the model's {model_limit} positions")
+        if max_new_tokens is not None:
+            _positive(max_new_tokens, "max_new_tokens")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if not isinstance(slot_template, str) or slot_template.count("{context}") != 1 or slot_template.count("{request}") != 1:
+            raise ValueError("slot_template must contain '{context}' and '{request}' exactly once each")
+        if messages is not None:
+            hf._check_messages(messages)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.messages = messages
+        self.max_new_tokens = max_new_tokens
+        self.context_limit = context_limit
+        self.placement = placement
+        self.slot_template = slot_template
+        self._queue: collections.deque[_Queued] = collections.deque()
+
+    # ---------------------------------------------------------------------------------------
+    # rendering
+
+    @property
+    def output_allowance(self) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else 1
+
+    def render(self, request) -> RenderedPrompt:
+        """The prompt for ``request`` after the current history, split around the rows.
+
+        Raises:
+            ValueError: a tensor request with chat history or with "in_prompt" placement, a
+            string request without a tokenizer, IDs outside the vocabulary.
+        """
+        history = list(self.messages or [])
+        empty = torch.zeros(1, 0, dtype=torch.long)
+        if isinstance(request, torch.Tensor):
+            if history:
+                raise ValueError("a token-ID request cannot follow chat history: its framing is unknown; pass a string")
+            if self.placement == "in_prompt":
+                raise ValueError("in_prompt placement renders the request into a slot; pass a string request")
+            return RenderedPrompt(empty, hf.check_ids(request, hf.vocab_size(self.model), "request IDs"))
+        if not isinstance(request, str):
+            raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("a string request needs the receiver's tokenizer")
+        content = request
+        if self.placement == "in_prompt":
+            content = self.slot_template.replace("{request}", request).replace("{context}", _SLOT)
+        if getattr(self.tokenizer, "chat_template", None):
+            text = hf.render_chat(self.tokenizer, history + [{"role": "user", "content": content}], add_generation_prompt=True)
+        elif history:
+            raise ValueError("chat history needs a tokenizer with a chat template")
+        else:
+            text = content
+        if self.placement == "prefix":
+            return RenderedPrompt(empty, hf.encode_text(self.tokenizer, text))
+        if text.count(_SLOT) != 1:
+            raise ValueError("the chat template did not keep the context slot intact")
+        before, after = text.split(_SLOT)
+        return RenderedPrompt(hf.encode_text(self.tokenizer, before), hf.encode_text(self.tokenizer, after))
+
+    def handoff_space(self, request, max_new_tokens: int | None = None) -> int:
+        """Positions left for received rows: context limit - rendered prompt - output allowance."""
+        allowance = self.output_allowance if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        return budget_rules.handoff_space(self.context_limit, self.render(request).positions, allowance)
+
+    # ---------------------------------------------------------------------------------------
+    # the transfer protocol
+
+    def _rclc_check_sender(self, state) -> None:
+        hf.check_same_checkpoint(state.model, state.tokenizer, self.model, self.tokenizer)
+
+    def _rclc_plan(self, request) -> ReceiverPlan:
+        prompt = self.render(request)
+        space = budget_rules.handoff_space(self.context_limit, prompt.positions, self.output_allowance)
+        return ReceiverPlan(prompt=prompt, space=space)
+
+    def _rclc_accept(self, delivery: Delivery, plan: ReceiverPlan) -> None:
+        self._queue.append(_Queued(delivery, plan.prompt))
+
+    def __call__(self, delivery: Delivery) -> None:
+        """Queue a delivery, rendering its prompt against the history as it is now."""
+        if not isinstance(delivery, Delivery):
+            raise TypeError(f"expected a Delivery, got {type(delivery).__name__}")
+        self._queue.append(_Queued(delivery, self.render(delivery.request)))
+
+    # ---------------------------------------------------------------------------------------
+    # the inbox
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def peek(self) -> Delivery:
+        """The next delivery, without consuming it."""
+        if not self._queue:
+            raise IndexError("the receiver has no queued handoff")
+        return self._queue[0].delivery
+
+    def pop(self, prompt=None, max_new_tokens: int | None = None) -> dict:
+        """Generate inputs for the next delivery, consuming it only when they are ready.
+
+        Args:
+            prompt: replaces the queued request (a string, rendered with the current history, or
+                int64 [1, tokens] IDs); selection is not rerun.
+            max_new_tokens: replaces the output allowance.
+        Returns:
+            ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``
+            for ``model.generate(**inputs)``.
+        Raises:
+            IndexError: nothing is queued.
+            ValueError: rows, prompt and allowance exceed the context limit (the delivery stays queued).
+        """
+        if not self._queue:
+            raise IndexError("the receiver has no queued handoff")
+        entry = self._queue[0]
+        rendered = entry.prompt if prompt is None else self.render(prompt)
+        allowance = self.output_allowance if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        weight = hf.embedding_weight(self.model)
+        with MODEL_LOCK:
+            rows = entry.delivery.rows(weight)
+            needed = rows.shape[0] + rendered.positions + allowance
+            if needed > self.context_limit:
+                raise ValueError(
+                    f"{rows.shape[0]} received rows + {rendered.positions} prompt positions + {allowance} "
+                    f"output positions exceed the context limit of {self.context_limit}"
+                )
+            parts = [
+                hf.embed_ids(self.model, rendered.before[0]),
+                rows,
+                hf.embed_ids(self.model, rendered.after[0]),
+            ]
+            embeds = torch.cat(parts, dim=0).unsqueeze(0)
+        inputs = {
+            "inputs_embeds": embeds,
+            "attention_mask": torch.ones(1, embeds.shape[1], dtype=torch.long, device=embeds.device),
+            "max_new_tokens": allowance,
+        }
+        self._queue.popleft()
+        return inputs
+
+    def __repr__(self) -> str:
+        return (
+            f"HFReceiver(model={type(self.model).__name__}, queued={len(self)}, placement={self.placement!r}, "
+            f"context_limit={self.context_limit}, max_new_tokens={self.max_new_tokens})"
+        )

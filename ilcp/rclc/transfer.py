@@ -1,0 +1,299 @@
+"""`transfer` / `transfer_sync`: select sender rows under a budget and deliver them.
+
+The pipeline, for one call:
+
+1. validate options, senders, receivers and requests; check HF receivers against every sender
+   and render their prompts (one snapshot per receiver and request);
+2. reasoning before selection ("full": once per sender; "full_with_request": per request);
+3. plan every request's budgets (relative or bounded, then fitted to the tightest receiver);
+4. select (once per sender and request), reason after selection if asked, build messages;
+5. only then call the receivers: request order, then receiver-list order.
+
+Any failure in 1-4 delivers nothing. A receiver's exception propagates at once; earlier
+deliveries stay. Model work runs in worker threads under one process-wide lock; cancelling
+waits for the running worker, then raises CancelledError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ilcp.rclc import budget as budget_rules
+from ilcp.rclc import hf
+from ilcp.rclc._runtime import require_no_running_loop, run_in_worker
+from ilcp.rclc.message import REPRESENTATIONS, Delivery, Message
+from ilcp.rclc.reasoning import REASONING_CONTEXTS, run_method
+from ilcp.rclc.record import record_selection as build_record
+from ilcp.rclc.selectors import DEFAULT_SELECTOR, is_builtin, validate_positions
+from ilcp.rclc.state import SenderState
+
+
+@dataclass
+class _Route:
+    """Everything prepared for one (request, sender) pair."""
+
+    state: SenderState  # the state the selector sees
+    request_ids: torch.Tensor  # int64 [1, R] in the sender's vocabulary
+    budget: int = 0  # fitted message budget
+    positions: torch.Tensor | None = None
+    message: Message | None = None
+
+
+def _items(value, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if not items:
+            raise ValueError(f"{name} must not be an empty list")
+        return items
+    if value is None:
+        raise ValueError(f"{name} is required")
+    return [value]
+
+
+async def _sender_state(sender) -> SenderState:
+    if isinstance(sender, SenderState):
+        return sender
+    provider = getattr(sender, "sender_state", None)
+    if provider is None:
+        raise TypeError(f"a sender must be a SenderState or provide sender_state(), got {type(sender).__name__}")
+    state = provider()
+    if inspect.isawaitable(state):
+        state = await state
+    if not isinstance(state, SenderState):
+        raise TypeError(f"{type(sender).__name__}.sender_state() returned {type(state).__name__}, not a SenderState")
+    return state
+
+
+def _request_ids(state: SenderState, request) -> torch.Tensor:
+    if isinstance(request, str):
+        if state.tokenizer is None:
+            raise ValueError("a string request needs each sender's tokenizer; this sender has none (pass int64 IDs)")
+        if not request:
+            raise ValueError("the request must not be empty")
+        return hf.check_ids(hf.encode_text(state.tokenizer, request), hf.vocab_size(state.model), "request IDs")
+    if isinstance(request, torch.Tensor):
+        return hf.check_ids(request, hf.vocab_size(state.model), "request IDs")
+    raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")
+
+
+def _is_planned_receiver(receiver) -> bool:
+    return hasattr(receiver, "_rclc_plan") and hasattr(receiver, "_rclc_accept")
+
+
+async def transfer(
+    sender,
+    receiver,
+    request,
+    *,
+    ratio: int | None = None,
+    budget: int | None = None,
+    representation: str = "embeddings",
+    selector=None,
+    reasoning=None,
+    reasoning_context: str | None = None,
+    reasoning_budget: int | None = None,
+    record_selection: bool = False,
+) -> None:
+    """Hand selected sender rows to receivers; returns None once every receiver has been called.
+
+    Args:
+        sender: a SenderState (or an object with ``sender_state()``), or a list of them.
+        receiver: an HFReceiver, a callable taking a Delivery (sync or async), or a list.
+        request: a string or a nonempty int64 [1, tokens] tensor, or a list; each request goes
+            to every receiver.
+        ratio / budget: relative (r4 when neither is given) or bounded position budget per sender.
+        representation: "embeddings" or "token_ids+continuous".
+        selector: ``selector(sender, request_ids, budget) -> positions``; default CacheBack.
+        reasoning: a method appending continuous rows (e.g. ``partial(latent_mass, steps=40)``).
+        reasoning_context: "full" (default), "full_with_request", "selected", "selected_with_request".
+        reasoning_budget: most rows reasoning may add (required after selection).
+        record_selection: attach a SelectionRecord to every message.
+
+    Raises:
+        ValueError / TypeError: invalid options or inputs, checkpoint mismatches, impossible
+        budgets, invalid selector or reasoning results (nothing is delivered).
+    """
+    mode = budget_rules.resolve_mode(ratio, budget)
+    if representation not in REPRESENTATIONS:
+        raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
+    selector = DEFAULT_SELECTOR if selector is None else selector
+    if not callable(selector):
+        raise TypeError("selector must be callable: selector(sender, request_ids, budget) -> positions")
+    post_selection = _check_reasoning(reasoning, reasoning_context, reasoning_budget)
+    context = reasoning_context or "full"
+
+    senders = _items(sender, "sender")
+    receivers = _items(receiver, "receiver")
+    requests = _items(request, "request")
+    for r in receivers:
+        if not (_is_planned_receiver(r) or callable(r)):
+            raise TypeError(f"a receiver must be an HFReceiver or a callable, got {type(r).__name__}")
+    states = [await _sender_state(s) for s in senders]
+    for state in states:
+        state.validate()
+    request_ids = [[_request_ids(state, q) for state in states] for q in requests]
+
+    # Receivers: checkpoint checks and prompt snapshots before any model work.
+    plans: dict[int, list] = {}
+    for i, r in enumerate(receivers):
+        if _is_planned_receiver(r):
+            check = getattr(r, "_rclc_check_sender", None)
+            for state in states:
+                if check is not None:
+                    check(state)
+            plans[i] = [r._rclc_plan(q) for q in requests]
+    spaces = [budget_rules.tightest(getattr(plans[i][qi], "space", None) for i in plans) for qi in range(len(requests))]
+
+    # Reasoning before selection.
+    routes: list[list[_Route]] = []
+    if reasoning is not None and context == "full":
+        extended = [
+            await run_method(reasoning, s, _reasoning_room(s, reasoning_budget, 0), None) for s in states
+        ]
+    else:
+        extended = states
+    for qi in range(len(requests)):
+        row = []
+        for si, state in enumerate(extended):
+            ids = request_ids[qi][si]
+            if reasoning is not None and context == "full_with_request":
+                room = _reasoning_room(state, reasoning_budget, ids.shape[1])
+                state = await run_method(reasoning, state, room, ids)
+            row.append(_Route(state=state, request_ids=ids))
+        routes.append(row)
+
+    # Plan every request's budgets before any selection.
+    for qi, row in enumerate(routes):
+        demands = []
+        for si, route in enumerate(row):
+            st = route.state
+            limit = hf.context_limit(st.model)
+            if st.positions + route.request_ids.shape[1] > limit:
+                raise ValueError(
+                    f"sender {si} has {st.positions} positions; with the {route.request_ids.shape[1]}-token "
+                    f"request it exceeds its context limit of {limit}"
+                )
+            if post_selection:
+                maximum, _ = budget_rules.split_post_selection(st.positions, st.inherited_positions, mode, reasoning_budget)
+                reserved = reasoning_budget
+            else:
+                maximum, reserved = mode.positions(st.positions, st.inherited_positions), 0
+            protected = selector.protected_count(st.positions, st.latent_steps) if is_builtin(selector) else 1
+            demands.append(budget_rules.Demand(maximum=maximum, protected=protected, reserved=reserved))
+        try:
+            fitted = budget_rules.fit_budgets(demands, spaces[qi])
+        except ValueError as e:
+            raise ValueError(f"request {qi}: {e}") from None
+        for route, b in zip(row, fitted):
+            route.budget = b
+
+    # Selection, reasoning after selection, messages.
+    reserved = reasoning_budget if post_selection else 0
+    for row in routes:
+        for route in row:
+            route.positions = await run_in_worker(_select, selector, route.state, route.request_ids, route.budget - reserved)
+    for row in routes:
+        for route in row:
+            payload, added = route.state, 0
+            if post_selection:
+                selected = await run_in_worker(_selected_state, route.state, route.positions)
+                with_request = route.request_ids if context == "selected_with_request" else None
+                payload = await run_method(reasoning, selected, reasoning_budget, with_request)
+                added = payload.positions - selected.positions
+                positions = torch.arange(payload.positions)
+            else:
+                positions = route.positions
+            message = await run_in_worker(_build_message, payload, positions, representation)
+            if record_selection:
+                message.selection = build_record(route.state, route.positions, route.budget, added, message.positions)
+            route.message = message
+
+    deliveries = [Delivery(request=q, messages=tuple(route.message for route in row)) for q, row in zip(requests, routes)]
+
+    # Deliver: request order, then receiver order.
+    for qi, delivery in enumerate(deliveries):
+        for i, r in enumerate(receivers):
+            if i in plans:
+                r._rclc_accept(delivery, plans[i][qi])
+                continue
+            result = r(delivery)
+            if inspect.isawaitable(result):
+                await result
+
+
+def transfer_sync(*args: Any, **kwargs: Any) -> None:
+    """`transfer` for synchronous code (same arguments); needs a thread without a running event loop."""
+    require_no_running_loop("transfer_sync")
+    asyncio.run(transfer(*args, **kwargs))
+
+
+def _check_reasoning(reasoning, context, reasoning_budget) -> bool:
+    """Validate the reasoning options; True when reasoning runs after selection."""
+    if reasoning is None:
+        if context is not None or reasoning_budget is not None:
+            raise ValueError("reasoning_context and reasoning_budget require reasoning=...")
+        return False
+    if not callable(reasoning):
+        raise TypeError("reasoning must be callable: method(state, *, max_positions, request=None) -> SenderState")
+    if context is not None and context not in REASONING_CONTEXTS:
+        raise ValueError(f"reasoning_context must be one of {REASONING_CONTEXTS}, got {context!r}")
+    if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int) or reasoning_budget < 1):
+        raise ValueError(f"reasoning_budget must be a positive int, got {reasoning_budget!r}")
+    post = context in ("selected", "selected_with_request")
+    if post and reasoning_budget is None:
+        raise ValueError(f"reasoning_context={context!r} runs after selection and requires reasoning_budget=N")
+    return post
+
+
+def _reasoning_room(state: SenderState, reasoning_budget: int | None, request_tokens: int) -> int:
+    """Rows reasoning may add before selection: the reasoning budget, else the sender's free context."""
+    free = max(0, hf.context_limit(state.model) - state.positions - request_tokens)
+    return free if reasoning_budget is None else min(reasoning_budget, free)
+
+
+def _select(selector, state: SenderState, request_ids: torch.Tensor, budget: int) -> torch.Tensor:
+    return validate_positions(selector(state, request_ids, budget), state.positions, budget)
+
+
+def _selected_state(state: SenderState, positions: torch.Tensor) -> SenderState:
+    """A fresh state holding only the selected rows (prefilled on a new cache)."""
+    index = positions.to(state.input_embeds.device)
+    rows = state.input_embeds[index]
+    latent_start = state.positions - state.latent_steps
+    return SenderState(
+        model=state.model,
+        past_key_values=hf.prefill(state.model, rows),
+        input_embeds=rows,
+        tokenizer=state.tokenizer,
+        latent_steps=int((positions >= latent_start).sum()),
+        token_ids=None if state.token_ids is None else state.token_ids[positions.to(state.token_ids.device)],
+        inherited_positions=int((positions < state.inherited_positions).sum()),
+    )
+
+
+def _build_message(state: SenderState, positions: torch.Tensor, representation: str) -> Message:
+    """The payload for ``positions`` (int64 [k]) of ``state``; rows are copies, never views."""
+    index = positions.to(state.input_embeds.device)
+    rows = state.input_embeds[index].clone()
+    source = hf.identity(state.model)
+    if representation == "embeddings":
+        return Message(rows=rows, representation=representation, source=source)
+    if state.token_ids is None:
+        ids = torch.full((rows.shape[0],), -1, dtype=torch.long)
+    else:
+        ids = state.token_ids[positions.to(state.token_ids.device)].detach().cpu().clone()
+    known = ids >= 0
+    if bool(known.any()):
+        weight = hf.embedding_weight(state.model)
+        expected = weight[ids[known].to(weight.device)]
+        if not torch.allclose(rows[known.to(rows.device)].float(), expected.float(), rtol=1e-3, atol=1e-5):
+            raise ValueError(
+                "the selected token IDs do not reproduce the sender's input rows (embedding table "
+                "lookups differ); use representation='embeddings'"
+            )
+    return Message(rows=rows[(~known).to(rows.device)].clone(), token_ids=ids, representation=representation, source=source)
