@@ -47,11 +47,14 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | Non
         cache = _compat.clone_cache(state.past_key_values)
         if request is not None:
             outputs = hf.forward_rows(model, hf.embed_ids(model, request[0]), cache, output_hidden_states=True)
+            cache = _compat.output_cache(outputs)
         else:
-            # The last row's hidden state is not stored: recompute it over the cache before it.
-            _compat.crop_cache(cache, state.positions - 1)
-            outputs = hf.forward_rows(model, state.input_embeds[-1:], cache, output_hidden_states=True)
-        cache = _compat.output_cache(outputs)
+            # The last row's hidden state is not stored: recompute it on a scratch copy cropped
+            # before it, so the rollout's cache keeps the state's exact prefix.
+            scratch = _compat.clone_cache(state.past_key_values)
+            _compat.crop_cache(scratch, state.positions - 1)
+            outputs = hf.forward_rows(model, state.input_embeds[-1:], scratch, output_hidden_states=True)
+            del scratch
         new_rows = []
         for _ in range(n):
             hidden = hf.last_hidden_row(outputs).float()
@@ -150,3 +153,7 @@ def check_extension(before: SenderState, after, max_positions: int) -> None:
         for (k0, v0), (k1, v1) in zip(old, new):
             if not (torch.equal(k1[..., :n, :], k0) and torch.equal(v1[..., :n, :], v0)):
                 raise ValueError("a reasoning method changed the cache prefix")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
