@@ -44,7 +44,7 @@ class DataConfig:
     task: str = _f("babi:1", "training task: 'babi:N' or 'facts'")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
-    val_size: int = _f(200, "validation rows for the teacher-forced loss")
+    val_size: int = _f(128, "validation rows for the teacher-forced loss")
     val_decode_size: int = _f(64, "validation rows decoded greedily for exact match (a fixed subset)")
     facts_n_facts: int = _f(4, "facts task: facts stated in each context")
     facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
@@ -73,8 +73,8 @@ class CompressorConfig:
     hidden_dim: int = _f(512, "width of the VAE body and decoder")
     beta: float = _f(0.1, "weight of the KL term")
     kl_warmup_steps: int = _f(200, "steps over which the KL weight ramps from 0 to beta (0 = none)")
-    epochs: int = _f(60, "stage-1 epochs over the training pooled states")
-    batch_size: int = _f(64, "stage-1 batch size")
+    epochs: int = _f(30, "stage-1 epochs over the training pooled states")
+    batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
 
     def __post_init__(self):
@@ -98,7 +98,7 @@ class HandoffConfig:
     encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on")
     weight_decay: float = _f(0.0, "stage-2 AdamW weight decay")
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
-    val_every_steps: int = _f(40, "validate (loss + greedy exact match) every N steps and at the end")
+    val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
     max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
 
     def __post_init__(self):

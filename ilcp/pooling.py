@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from .compat import logits_to_keep_kwargs
 from .io import atomic_save_safetensors
 from .lm import LM, default_cache_dir
 
@@ -114,6 +115,7 @@ class PoolingModule(L.LightningModule):
             attention_mask=batch["attention_mask"],
             output_hidden_states=True,
             use_cache=False,
+            **logits_to_keep_kwargs(self.model, 1),  # the LM head's logits are not needed
         )
         pooled = pool_from_outputs(out, batch["attention_mask"], self.layers)
         return {"index": batch["index"].cpu(), "pooled": pooled.float().cpu()}

@@ -33,10 +33,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from safetensors.torch import load_file
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from . import prompts
+from .compat import logits_to_keep_kwargs
 from .compressor import BetaVAE, active_units
 from .config import CompressorConfig, HandoffConfig, TrainConfig, save_config
 from .decoding import assemble_prefix, greedy_decode, left_pad
@@ -221,13 +223,18 @@ class HandoffModule(L.LightningModule):
             n_ignored = memory.shape[1] + len(prompt_ids)
             labels.append(torch.tensor([-100] * n_ignored + answer_ids, device=device))
         inputs_embeds, attention_mask, position_ids = left_pad(sequences)
-        width = inputs_embeds.shape[1]
-        label_tensor = torch.full((len(labels), width), -100, dtype=torch.long, device=device)
+        # Left padding puts every answer at the right edge, so only the logits of the last
+        # positions are needed: position t predicts token t + 1.
+        n_keep = max(len(lab) - int((lab == -100).sum()) for lab in labels) + 1
+        targets = torch.full((len(labels), n_keep - 1), -100, dtype=torch.long, device=device)
         for i, lab in enumerate(labels):
-            label_tensor[i, width - len(lab):] = lab
+            tail = lab[-(n_keep - 1):]
+            targets[i, n_keep - 1 - len(tail):] = tail
         out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                      labels=label_tensor, use_cache=False)
-        return out.loss, kl
+                      use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
+        logits = out.logits[:, -n_keep:-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return loss, kl
 
     def training_step(self, batch, batch_idx):
         loss, kl = self._teacher_forced(batch)

@@ -159,3 +159,33 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
     monkeypatch.setattr(training, "load_lm", boom)
     with pytest.raises(ValueError):
         load_config(None, ["handoff.batch_size=0"])
+
+
+def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
+    """Only the answer's logits are computed; the loss must equal HF's loss with -100 labels."""
+    from ilcp import prompts
+    from ilcp.config import HandoffConfig
+    from ilcp.decoding import left_pad
+
+    module = HandoffModule("cold_read_tuned", tiny_lm, HandoffConfig(num_memory_tokens=2))
+    batch = {"pooled": torch.zeros(2, 4), "context": ["John went home.", "Mary is in the big kitchen now."],
+             "question": ["Where is John?", "Where is Mary?"], "answer": ["home", "kitchen,garden"]}
+    loss, _ = module._teacher_forced(batch)
+    embed = tiny_lm.model.get_input_embeddings()
+    seqs, labs = [], []
+    for c, q, a in zip(batch["context"], batch["question"], batch["answer"]):
+        p = tiny_lm.tokenizer(prompts.cold_read_prompt(tiny_lm.tokenizer, c, q), add_special_tokens=False).input_ids
+        t = tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer), add_special_tokens=False).input_ids
+        seqs.append(torch.cat([module.soft_prompt.detach(), embed(torch.tensor(p + t))]))
+        labs.append([-100] * (2 + len(p)) + t)
+    x, mask, pos = left_pad(seqs)
+    labels = torch.full(mask.shape, -100)
+    for i, lab in enumerate(labs):
+        labels[i, -len(lab):] = torch.tensor(lab)
+    with torch.no_grad():
+        expected = tiny_lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, labels=labels).loss
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_default_yaml_mirrors_the_built_in_defaults():
+    assert load_config(REPO / "configs" / "default.yaml") == load_config(None)

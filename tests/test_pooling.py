@@ -1,0 +1,119 @@
+"""Masked mean pooling, batched extraction and the pooled-state cache."""
+
+import pytest
+import torch
+
+from ilcp import pooling
+from ilcp.pooling import cached_pooled_states, masked_mean_pool, pool_from_outputs, pooled_states
+
+TEXTS = ["John travelled to the hallway.",
+         "Mary journeyed to the bathroom. Daniel went back to the bathroom. John moved to the bedroom.",
+         "Sandra is in the kitchen."]
+
+
+def test_masked_mean_by_hand():
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(masked_mean_pool(hidden, mask), torch.tensor([[2.0, 3.0]]))
+
+
+def test_masked_mean_of_an_empty_row_is_zero_not_nan():
+    out = masked_mean_pool(torch.ones(1, 3, 4), torch.zeros(1, 3, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("hidden, mask", [
+    (torch.zeros(2, 3), torch.ones(2, 3)),            # hidden not rank 3
+    (torch.zeros(2, 3, 4), torch.ones(2, 3, 1)),      # mask not rank 2
+    (torch.zeros(2, 3, 4), torch.ones(2, 4)),         # seq mismatch
+    (torch.zeros(2, 3, 4), torch.ones(3, 3)),         # batch mismatch
+])
+def test_masked_mean_shape_errors(hidden, mask):
+    with pytest.raises(ValueError):
+        masked_mean_pool(hidden, mask)
+
+
+def test_padding_does_not_change_a_texts_pooled_vector(tiny_lm):
+    alone = [pooled_states(tiny_lm, [t], batch_size=1, progress=False)[0] for t in TEXTS]
+    batched = pooled_states(tiny_lm, TEXTS, batch_size=3, progress=False)
+    for i in range(len(TEXTS)):
+        torch.testing.assert_close(batched[i], alone[i], rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_equals_a_direct_forward_mean(tiny_lm):
+    ids = tiny_lm.tokenizer(TEXTS[1], add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = tiny_lm.model(ids, output_hidden_states=True)
+    expected = out.hidden_states[-1].mean(dim=1)[0]
+    torch.testing.assert_close(pooled_states(tiny_lm, [TEXTS[1]], progress=False)[0], expected, rtol=1e-5, atol=1e-5)
+    from_outputs = pool_from_outputs(out, torch.ones_like(ids), layers=(-1, 0))
+    assert from_outputs.shape == (1, 2 * tiny_lm.hidden_size)
+    torch.testing.assert_close(from_outputs[0, : tiny_lm.hidden_size], expected)
+
+
+def test_several_layers_are_concatenated_in_order(tiny_lm):
+    both = pooled_states(tiny_lm, TEXTS, layers=(-1, 1), progress=False)
+    last = pooled_states(tiny_lm, TEXTS, layers=(-1,), progress=False)
+    assert both.shape == (3, 2 * tiny_lm.hidden_size)
+    torch.testing.assert_close(both[:, : tiny_lm.hidden_size], last)
+
+
+def test_long_contexts_keep_their_last_tokens(tiny_lm):
+    long_text = " ".join(TEXTS * 5)
+    ids = tiny_lm.tokenizer(long_text, add_special_tokens=False).input_ids
+    kept = tiny_lm.tokenizer.decode(ids[-8:])
+    torch.testing.assert_close(pooled_states(tiny_lm, [long_text], max_length=8, progress=False),
+                               pooled_states(tiny_lm, [kept], max_length=8, progress=False), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_context_is_a_clear_error(tiny_lm):
+    with pytest.raises(ValueError, match="empty"):
+        pooled_states(tiny_lm, ["John went home.", ""], progress=False)
+
+
+def test_cache_is_reused_without_any_forward(tiny_lm, tmp_path):
+    key = {"task": "unit", "n": 3}
+    ids = ["a", "b", "c"]
+    first, path, hit = cached_pooled_states(tiny_lm, TEXTS, ids, key, cache_dir=tmp_path, progress=False)
+    assert not hit and path.is_file() and path.parent == tmp_path / "pooled"
+    calls = []
+    handle = tiny_lm.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        second, path2, hit2 = cached_pooled_states(tiny_lm, TEXTS, ids, key, cache_dir=tmp_path, progress=False)
+    finally:
+        handle.remove()
+    assert hit2 and path2 == path and calls == []
+    assert torch.equal(first, second)
+
+
+def test_cache_key_covers_task_length_layers_and_rows(tiny_lm, tmp_path):
+    ids = ["a", "b", "c"]
+    _, base, _ = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "x"}, cache_dir=tmp_path, progress=False)
+    _, other_task, _ = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "y"}, cache_dir=tmp_path, progress=False)
+    _, other_len, _ = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "x"}, cache_dir=tmp_path, max_length=4, progress=False)
+    _, other_layers, _ = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "x"}, cache_dir=tmp_path, layers=(0,), progress=False)
+    assert len({base, other_task, other_len, other_layers}) == 4
+    _, same, hit = cached_pooled_states(tiny_lm, TEXTS, ["a", "b", "z"], {"task": "x"}, cache_dir=tmp_path, progress=False)
+    assert same == base and not hit, "different rows under the same key are recomputed, never served stale"
+
+
+def test_a_failed_write_leaves_nothing_behind(tiny_lm, tmp_path, monkeypatch):
+    import ilcp.io
+
+    def failing_save(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ilcp.io, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        cached_pooled_states(tiny_lm, TEXTS, ["a", "b", "c"], {"task": "x"}, cache_dir=tmp_path, progress=False)
+    assert list((tmp_path / "pooled").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_pools_a_text(smollm2):
+    assert smollm2.hidden_size == 576
+    assert smollm2.model.config.num_hidden_layers == 30
+    pooled = pooled_states(smollm2, ["John travelled to the hallway. Mary went to the garden."], progress=False)
+    assert pooled.shape == (1, 576)
+    assert torch.isfinite(pooled).all() and pooled.abs().sum() > 0
+    assert pooling.masked_mean_pool is masked_mean_pool
