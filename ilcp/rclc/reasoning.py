@@ -28,7 +28,7 @@ def _steps(value, name: str) -> int:
     return value
 
 
-def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | None = None, *, max_positions: int | None = None) -> SenderState:
+def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str | None = None, *, max_positions: int | None = None) -> SenderState:
     """Blocking form of `latent_mass`."""
     if not isinstance(state, SenderState):
         raise TypeError(f"state must be a SenderState, got {type(state).__name__}")
@@ -39,6 +39,8 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | Non
         return state
     state.validate()
     model = state.model
+    if isinstance(request, str):
+        request = hf.encode_text(state.tokenizer, request)
     if request is not None:
         request = hf.check_ids(request, hf.vocab_size(model), "request IDs")
     with MODEL_LOCK:
@@ -82,15 +84,16 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | Non
     )
 
 
-async def latent_mass(state: SenderState, steps: int, request: torch.Tensor | None = None, *, max_positions: int | None = None) -> SenderState:
+async def latent_mass(state: SenderState, steps: int, request: torch.Tensor | str | None = None, *, max_positions: int | None = None) -> SenderState:
     """Append ``min(steps, max_positions)`` latent rows, each the previous final hidden row
     rescaled to the mean input-embedding norm; runs in a worker on a private cache copy.
 
     Args:
         state: the state to extend (left unchanged).
         steps: rows to append; 0 returns ``state`` itself.
-        request: optional int64 [1, R] tokens that condition the rollout; they are not kept
-            (the new rows are replayed over the original prefix).
+        request: optional int64 [1, R] tokens (or text, tokenized with the state's tokenizer
+            without a chat template) that condition the rollout; they are not kept (the new rows
+            are replayed over the original prefix).
         max_positions: an upper bound on appended rows (transfer passes its reasoning budget).
     Returns:
         a new SenderState with ``latent_steps`` increased by the rows appended (token IDs -1).

@@ -8,6 +8,9 @@ Placement of the received rows:
   ``slot_template`` with ``{context}`` replaced by the rows and ``{request}`` by the request,
   so the rows sit where the context text of a plain text handoff would sit. Small models such as
   SmolLM2-135M do not read rows placed before a fresh chat prompt but do read them here.
+  The text on each side of the slot is tokenized on its own: with newlines around the slot
+  (``"Context:\n{context}\n..."``) byte-level BPE tokenizers give exactly the cold read's tokens
+  at r1; ``"Context: {context}"`` differs from it by the split of the space before the context.
 """
 
 from __future__ import annotations

@@ -262,6 +262,8 @@ def _select(selector, state: SenderState, request_ids: torch.Tensor, budget: int
 
 def _selected_state(state: SenderState, positions: torch.Tensor) -> SenderState:
     """A fresh state holding only the selected rows (prefilled on a new cache)."""
+    if positions.numel() == 0:
+        raise ValueError("reasoning after selection needs at least one selected row; the selector returned none")
     index = positions.to(state.input_embeds.device)
     rows = state.input_embeds[index]
     latent_start = state.positions - state.latent_steps

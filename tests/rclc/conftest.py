@@ -21,6 +21,11 @@ def tokenizer(tiny_lm):
 
 
 @pytest.fixture
+def story():
+    return STORY
+
+
+@pytest.fixture
 def story_messages():
     return [{"role": "user", "content": STORY}]
 
