@@ -12,6 +12,12 @@ The pipeline, for one call:
 Any failure in 1-4 delivers nothing. A receiver's exception propagates at once; earlier
 deliveries stay. Model work runs in worker threads under one process-wide lock; cancelling
 waits for the running worker, then raises CancelledError.
+
+Extension points for other sender and receiver kinds (bound agents, other backends):
+a sender may be any object with ``sender_state()`` (sync or async) returning a SenderState; a
+receiver that takes part in budget fitting implements ``_rclc_plan(request)`` (returning an
+object with ``space``, the positions it can hold), ``_rclc_accept(delivery, plan)`` and,
+optionally, ``_rclc_check_sender(state)``, as `HFReceiver` does.
 """
 
 from __future__ import annotations
@@ -167,51 +173,13 @@ async def transfer(
             row.append(_Route(state=state, request_ids=ids))
         routes.append(row)
 
-    # Plan every request's budgets before any selection.
+    # Plan every request's budgets before any selection, then select and build messages.
     for qi, row in enumerate(routes):
-        demands = []
-        for si, route in enumerate(row):
-            st = route.state
-            limit = hf.context_limit(st.model)
-            if st.positions + route.request_ids.shape[1] > limit:
-                raise ValueError(
-                    f"sender {si} has {st.positions} positions; with the {route.request_ids.shape[1]}-token "
-                    f"request it exceeds its context limit of {limit}"
-                )
-            if post_selection:
-                maximum, _ = budget_rules.split_post_selection(st.positions, st.inherited_positions, mode, reasoning_budget)
-                reserved = reasoning_budget
-            else:
-                maximum, reserved = mode.positions(st.positions, st.inherited_positions), 0
-            protected = selector.protected_count(st.positions, st.latent_steps) if is_builtin(selector) else 1
-            demands.append(budget_rules.Demand(maximum=maximum, protected=protected, reserved=reserved))
-        try:
-            fitted = budget_rules.fit_budgets(demands, spaces[qi])
-        except ValueError as e:
-            raise ValueError(f"request {qi}: {e}") from None
-        for route, b in zip(row, fitted):
-            route.budget = b
-
-    # Selection, reasoning after selection, messages.
-    reserved = reasoning_budget if post_selection else 0
+        _plan_budgets(row, spaces[qi], mode, selector, reasoning_budget if post_selection else 0, qi)
     for row in routes:
         for route in row:
-            route.positions = await run_in_worker(_select, selector, route.state, route.request_ids, route.budget - reserved)
-    for row in routes:
-        for route in row:
-            payload, added = route.state, 0
-            if post_selection:
-                selected = await run_in_worker(_selected_state, route.state, route.positions)
-                with_request = route.request_ids if context == "selected_with_request" else None
-                payload = await run_method(reasoning, selected, reasoning_budget, with_request)
-                added = payload.positions - selected.positions
-                positions = torch.arange(payload.positions)
-            else:
-                positions = route.positions
-            message = await run_in_worker(_build_message, payload, positions, representation)
-            if record_selection:
-                message.selection = build_record(route.state, route.positions, route.budget, added, message.positions)
-            route.message = message
+            await _prepare_message(route, selector, representation, reasoning if post_selection else None,
+                                   context, reasoning_budget, record_selection)
 
     deliveries = [Delivery(request=q, messages=tuple(route.message for route in row)) for q, row in zip(requests, routes)]
 
@@ -230,6 +198,49 @@ def transfer_sync(*args: Any, **kwargs: Any) -> None:
     """`transfer` for synchronous code (same arguments); needs a thread without a running event loop."""
     require_no_running_loop("transfer_sync")
     asyncio.run(transfer(*args, **kwargs))
+
+
+def _plan_budgets(row: list[_Route], space: int | None, mode, selector, reserved: int, request_index: int) -> None:
+    """Set each route's fitted message budget for one request (all senders share ``space``)."""
+    demands = []
+    for si, route in enumerate(row):
+        st = route.state
+        limit = hf.context_limit(st.model)
+        if st.positions + route.request_ids.shape[1] > limit:
+            raise ValueError(
+                f"sender {si} has {st.positions} positions; with the {route.request_ids.shape[1]}-token "
+                f"request it exceeds its context limit of {limit}"
+            )
+        if reserved:
+            maximum, _ = budget_rules.split_post_selection(st.positions, st.inherited_positions, mode, reserved)
+        else:
+            maximum = mode.positions(st.positions, st.inherited_positions)
+        protected = selector.protected_count(st.positions, st.latent_steps) if is_builtin(selector) else 1
+        demands.append(budget_rules.Demand(maximum=maximum, protected=protected, reserved=reserved))
+    try:
+        fitted = budget_rules.fit_budgets(demands, space)
+    except ValueError as e:
+        raise ValueError(f"request {request_index}: {e}") from None
+    for route, b in zip(row, fitted):
+        route.budget = b
+
+
+async def _prepare_message(route: _Route, selector, representation: str, post_reasoning, context: str,
+                           reasoning_budget: int | None, record: bool) -> None:
+    """Select, reason after selection when asked, and build the route's message."""
+    reserved = reasoning_budget if post_reasoning is not None else 0
+    route.positions = await run_in_worker(_select, selector, route.state, route.request_ids, route.budget - reserved)
+    payload, positions, added = route.state, route.positions, 0
+    if post_reasoning is not None:
+        selected = await run_in_worker(_selected_state, route.state, route.positions)
+        with_request = route.request_ids if context == "selected_with_request" else None
+        payload = await run_method(post_reasoning, selected, reasoning_budget, with_request)
+        added = payload.positions - selected.positions
+        positions = torch.arange(payload.positions)
+    message = await run_in_worker(_build_message, payload, positions, representation)
+    if record:
+        message.selection = build_record(route.state, route.positions, route.budget, added, message.positions)
+    route.message = message
 
 
 def _check_reasoning(reasoning, context, reasoning_budget) -> bool:
