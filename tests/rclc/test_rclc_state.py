@@ -1,6 +1,5 @@
 """SenderState validation and sender_from_hf's sources, caches and generations."""
 
-
 import pytest
 import torch
 
