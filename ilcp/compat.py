@@ -90,3 +90,58 @@ def logits_to_keep_kwargs(model: nn.Module, n: int) -> dict:
         if name in params:
             return {name: n}
     return {}
+
+
+def output_cache_or_none(outputs):
+    """Like `output_cache`, but None when ``outputs`` has no cache field or it is empty (e.g. a
+    ``generate`` output without a cache)."""
+    try:
+        return output_cache(outputs)
+    except ValueError:
+        return None
+
+
+def cache_length(cache) -> int:
+    """Number of cached positions (0 for None)."""
+    if cache is None:
+        return 0
+    if not hasattr(cache, "get_seq_length"):
+        raise TypeError(f"expected a transformers Cache object, got {type(cache).__name__}")
+    return int(cache.get_seq_length())
+
+
+def clone_cache(cache):
+    """A deep copy that shares no tensor storage with ``cache``."""
+    import copy
+
+    return copy.deepcopy(cache)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of ``cache`` in place.
+
+    Uses the negative form of ``Cache.crop`` (tokens to remove), which every supported version
+    accepts; 5.x rejects the positive (absolute length) form.
+    """
+    remove = cache_length(cache) - length
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache_length(cache)} positions to {length}")
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def cache_tensors(cache):
+    """Per-layer ``(keys, values)`` [batch, kv_heads, positions, head_dim], or None when the cache
+    class exposes neither ``layers`` (4.56+) nor ``key_cache``/``value_cache`` (older)."""
+    import torch
+
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in layers]
+        if all(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) for k, v in pairs):
+            return pairs
+        return None
+    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    if keys is not None and values is not None:
+        return list(zip(keys, values))
+    return None

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ilcp.rclc import _compat
+from ilcp import compat
 
 # --------------------------------------------------------------------------------------------
 # embeddings and forwards
@@ -59,10 +59,10 @@ def forward_rows(
         rows: [n, hidden] input rows in the model's dtype.
         cache: a transformers Cache holding the preceding positions, or None for a fresh one.
     Returns:
-        the base model's outputs; the (extended or new) cache is `_compat.output_cache(outputs)`.
+        the base model's outputs; the (extended or new) cache is `compat.output_cache(outputs)`.
     """
     decoder = _decoder(model)
-    past = _compat.cache_length(cache)
+    past = compat.cache_length(cache)
     n = int(rows.shape[0])
     device = rows.device
     kwargs = {
@@ -70,7 +70,7 @@ def forward_rows(
         "attention_mask": torch.ones(1, past + n, dtype=torch.long, device=device),
         "position_ids": torch.arange(past, past + n, device=device).unsqueeze(0),
         "use_cache": True,
-        _compat.cache_kwarg(decoder): cache,
+        **compat.cache_kwargs(decoder, cache),
     }
     if output_attentions:
         kwargs["output_attentions"] = True
@@ -85,7 +85,7 @@ def prefill(model: nn.Module, rows: torch.Tensor, cache=None):
     if rows.shape[0] == 0:
         return cache
     outputs = forward_rows(model, rows, cache)
-    result = _compat.output_cache(outputs)
+    result = compat.output_cache_or_none(outputs)
     if result is None:
         raise RuntimeError(f"{type(model).__name__} returned no KV cache with use_cache=True")
     return result

@@ -15,7 +15,8 @@ import inspect
 
 import torch
 
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.state import SenderState
 
@@ -46,15 +47,15 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
     with MODEL_LOCK:
         weight = hf.embedding_weight(model)
         target_norm = weight.float().norm(dim=-1).mean()
-        cache = _compat.clone_cache(state.past_key_values)
+        cache = compat.clone_cache(state.past_key_values)
         if request is not None:
             outputs = hf.forward_rows(model, hf.embed_ids(model, request[0]), cache, output_hidden_states=True)
-            cache = _compat.output_cache(outputs)
+            cache = compat.output_cache_or_none(outputs)
         else:
             # The last row's hidden state is not stored: recompute it on a scratch copy cropped
             # before it, so the rollout's cache keeps the state's exact prefix.
-            scratch = _compat.clone_cache(state.past_key_values)
-            _compat.crop_cache(scratch, state.positions - 1)
+            scratch = compat.clone_cache(state.past_key_values)
+            compat.crop_cache(scratch, state.positions - 1)
             outputs = hf.forward_rows(model, state.input_embeds[-1:], scratch, output_hidden_states=True)
             del scratch
         new_rows = []
@@ -63,11 +64,11 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
             row = (hidden * (target_norm / hidden.norm().clamp_min(1e-12))).to(weight.dtype)
             new_rows.append(row)
             outputs = hf.forward_rows(model, row.unsqueeze(0), cache, output_hidden_states=True)
-            cache = _compat.output_cache(outputs)
+            cache = compat.output_cache_or_none(outputs)
         rows = torch.stack(new_rows)
         if request is not None:
             # The request only conditioned the rollout: replay the new rows over the original prefix.
-            cache = hf.prefill(model, rows, _compat.clone_cache(state.past_key_values))
+            cache = hf.prefill(model, rows, compat.clone_cache(state.past_key_values))
         if not bool(torch.isfinite(rows).all()):
             raise ValueError("the latent rollout produced non-finite rows")
     token_ids = None
@@ -148,7 +149,7 @@ def check_extension(before: SenderState, after, max_positions: int) -> None:
         raise ValueError("a reasoning method must keep token_ids (present or absent) as they were")
     if before.token_ids is not None and not torch.equal(after.token_ids[: before.positions], before.token_ids):
         raise ValueError("a reasoning method changed the sender's token IDs")
-    old, new = _compat.cache_tensors(before.past_key_values), _compat.cache_tensors(after.past_key_values)
+    old, new = compat.cache_tensors(before.past_key_values), compat.cache_tensors(after.past_key_values)
     if old is not None and new is not None:
         if len(old) != len(new):
             raise ValueError("a reasoning method changed the number of cache layers")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
 from ilcp.rclc.state import SenderState
 
@@ -54,13 +55,13 @@ def sender_from_hf(
     total = ids.shape[1]
     with MODEL_LOCK:
         rows = hf.embed_ids(model, ids[0])
-        cached = _compat.cache_length(cache)
+        cached = compat.cache_length(cache)
         if cached > total:
             raise ValueError(f"the cache holds {cached} positions, more than the {total} tokens given")
         if cache is None or cached == 0:
             cache = hf.prefill(model, rows)
         elif cached < total:
-            cache = hf.prefill(model, rows[cached:], _compat.clone_cache(cache))
+            cache = hf.prefill(model, rows[cached:], compat.clone_cache(cache))
     return SenderState(
         model=model,
         past_key_values=cache,
@@ -89,8 +90,8 @@ def _from_generation(generation):
         raise ValueError("beam-search generations are not supported; use greedy decoding or sampling")
     if sequences.dim() != 2 or sequences.shape[0] != 1:
         raise ValueError(f"generation.sequences must be [1, tokens] (one unpadded sequence), got {tuple(sequences.shape)}")
-    cache = _compat.output_cache(generation)
-    if cache is not None and _compat.cache_length(cache) >= sequences.shape[1]:
+    cache = compat.output_cache_or_none(generation)
+    if cache is not None and compat.cache_length(cache) >= sequences.shape[1]:
         raise ValueError(
             "the generation's cache covers more positions than its sequences: an inputs_embeds "
             "generation (sequences lack the prompt); build a SenderState from those rows instead"

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 
 
 def _check_count(value: Any, name: str) -> int:
@@ -85,7 +86,7 @@ class SenderState:
         n = rows.shape[0]
         if self.past_key_values is None:
             raise ValueError("past_key_values is required: the cache built from input_embeds")
-        cached = _compat.cache_length(self.past_key_values)
+        cached = compat.cache_length(self.past_key_values)
         if cached != n:
             raise ValueError(f"the cache holds {cached} positions but input_embeds has {n} rows")
         latent = _check_count(self.latent_steps, "latent_steps")
@@ -121,7 +122,7 @@ class SenderState:
         """A state whose rows, IDs and cache share no storage with this one (model and tokenizer shared)."""
         return SenderState(
             model=self.model,
-            past_key_values=_compat.clone_cache(self.past_key_values),
+            past_key_values=compat.clone_cache(self.past_key_values),
             input_embeds=self.input_embeds.clone(),
             tokenizer=self.tokenizer,
             latent_steps=self.latent_steps,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ilcp import rclc
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 from ilcp.rclc import budget as b
 
 REQUEST = "Who owns Cedar?"
@@ -25,7 +26,7 @@ def test_latent_mass_appends_normalised_rows(model, tokenizer, sender):
     torch.testing.assert_close(state.input_embeds[-5:].norm(dim=-1), target.expand(5), rtol=1e-4, atol=1e-4)
     # The cache is exactly a prefill of all rows.
     fresh = hf.prefill(model, state.input_embeds)
-    for a, c in zip(_compat.cache_tensors(fresh), _compat.cache_tensors(state.past_key_values)):
+    for a, c in zip(compat.cache_tensors(fresh), compat.cache_tensors(state.past_key_values)):
         torch.testing.assert_close(a[0], c[0], rtol=1e-4, atol=1e-5)
     assert rclc.latent_mass_sync(sender, steps=0) is sender
     assert rclc.latent_mass_sync(sender, steps=9, max_positions=2).latent_steps == 2
@@ -38,7 +39,7 @@ def test_latent_mass_with_request_replays_over_the_prefix(model, tokenizer, send
     plain = rclc.latent_mass_sync(sender, 3)
     assert not torch.equal(state.input_embeds[-3:], plain.input_embeds[-3:])
     fresh = hf.prefill(model, state.input_embeds)
-    for a, c in zip(_compat.cache_tensors(fresh), _compat.cache_tensors(state.past_key_values)):
+    for a, c in zip(compat.cache_tensors(fresh), compat.cache_tensors(state.past_key_values)):
         torch.testing.assert_close(a[1], c[1], rtol=1e-4, atol=1e-5)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ilcp import rclc
-from ilcp.rclc import _compat, hf, selectors
+from ilcp import compat
+from ilcp.rclc import hf, selectors
 
 BUILTINS = [selectors.cacheback, selectors.qsnap, selectors.chunkkv]
 
@@ -20,7 +21,7 @@ def latent_sender(model, sender):
     """The story sender with three continuous rows appended (a latent tail)."""
     torch.manual_seed(1)
     extra = torch.randn(3, sender.hidden_size) * 0.05
-    cache = hf.prefill(model, extra, _compat.clone_cache(sender.past_key_values))
+    cache = hf.prefill(model, extra, compat.clone_cache(sender.past_key_values))
     return rclc.SenderState(
         model=model, past_key_values=cache, input_embeds=torch.cat([sender.input_embeds, extra]),
         tokenizer=sender.tokenizer, latent_steps=3,
@@ -72,7 +73,7 @@ def test_scoring_leaves_sender_and_model_unchanged(model, sender, request_ids):
     for selector in BUILTINS:
         selector(sender, request_ids, 8)
     assert torch.equal(rows, sender.input_embeds)
-    assert _compat.cache_length(sender.past_key_values) == sender.positions
+    assert compat.cache_length(sender.past_key_values) == sender.positions
     assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, sender.past_key_values.layers))
     assert model.config._attn_implementation == implementation
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ilcp import rclc
-from ilcp.rclc import _compat
+from ilcp import compat
 
 
 def _keys(cache):
@@ -16,7 +16,7 @@ def test_messages_are_templated_without_assistant_prefix(model, tokenizer, story
     text = tokenizer.decode(sender.token_ids)
     assert text.startswith("<|im_start|>user\nJohn travelled")
     assert "assistant" not in text
-    assert sender.positions == _compat.cache_length(sender.past_key_values)
+    assert sender.positions == compat.cache_length(sender.past_key_values)
     assert torch.equal(sender.input_embeds, model.get_input_embeddings()(sender.token_ids))
 
 
@@ -34,7 +34,7 @@ def test_prefix_cache_is_cloned_and_extended_and_caller_cache_unchanged(model, t
     prefix = rclc.sender_from_hf(model, tokenizer, ids[:, :4]).past_key_values
     before = _keys(prefix)
     extended = rclc.sender_from_hf(model, tokenizer, ids, past_key_values=prefix)
-    assert _compat.cache_length(prefix) == 4
+    assert compat.cache_length(prefix) == 4
     assert all(torch.equal(a, b) for a, b in zip(before, _keys(prefix)))
     assert extended.past_key_values is not prefix
     for a, b in zip(_keys(extended.past_key_values), _keys(full.past_key_values)):

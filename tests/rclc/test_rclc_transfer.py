@@ -10,7 +10,8 @@ import torch
 
 from ilcp import rclc
 from ilcp.lm import build_tiny_qwen3, build_tiny_tokenizer
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 from ilcp.rclc import budget as b
 
 REQUEST = "Who owns Cedar?"
@@ -181,7 +182,7 @@ def test_cancellation_waits_for_the_worker_and_delivers_nothing(sender):
 def test_caller_cache_and_sender_rows_unchanged(model, tokenizer):
     ids = tokenizer("Cedar is owned by Alice. Birch was launched in 1994.", return_tensors="pt").input_ids
     with torch.no_grad():
-        cache = _compat.output_cache(model(input_ids=ids, use_cache=True))
+        cache = compat.output_cache_or_none(model(input_ids=ids, use_cache=True))
     keys = [layer.keys.clone() for layer in cache.layers]
     sender = rclc.sender_from_hf(model, tokenizer, ids, past_key_values=cache)
     rows = sender.input_embeds.clone()
@@ -189,7 +190,7 @@ def test_caller_cache_and_sender_rows_unchanged(model, tokenizer):
     rclc.transfer_sync(sender, inbox.append, [REQUEST, "When was Birch launched?"], ratio=2)
     rclc.transfer_sync(sender, inbox.append, REQUEST, budget=6, reasoning=_two_latent_steps,
                        reasoning_context="full_with_request", reasoning_budget=2)
-    assert _compat.cache_length(cache) == ids.shape[1]
+    assert compat.cache_length(cache) == ids.shape[1]
     assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, cache.layers))
     assert torch.equal(rows, sender.input_embeds) and sender.latent_steps == 0
     assert inbox[-1].messages[0].rows.data_ptr() != sender.input_embeds.data_ptr()

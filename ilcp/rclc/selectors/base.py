@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ilcp.rclc import _compat, hf
+from ilcp import compat
+from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
 from ilcp.rclc.budget import protected_count
 
@@ -71,8 +72,8 @@ def attention_profile(sender, request_ids: torch.Tensor | None, *, tail_queries:
         if rows.shape[0] == 0:
             zeros = torch.zeros(total)
             return AttentionProfile(zeros, zeros.clone(), min(sink_size, total))
-        cache = _compat.clone_cache(sender.past_key_values)
-        _compat.crop_cache(cache, total - t)
+        cache = compat.clone_cache(sender.past_key_values)
+        compat.crop_cache(cache, total - t)
         with hf.eager_attention(model):
             outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
         attentions = getattr(outputs, "attentions", None)
