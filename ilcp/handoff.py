@@ -1,0 +1,371 @@
+"""ILCPHandoff: what agent code calls to hand a context over as a latent, and to receive one.
+
+    from ilcp.handoff import ILCPHandoff
+
+    # agent A (sender)
+    sender = ILCPHandoff.from_pretrained("checkpoints/default")       # loads the run's LM
+    wire = sender.send("John went to the garden. Mary moved to the hall.").to_bytes()  # ~170 bytes
+
+    # agent B (receiver), another process with the same LM
+    receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=model, tokenizer=tok)
+    receiver.receive(wire, "Where is John?")                        # -> "garden"
+
+`send` pools the context with the frozen LM exactly as training did (masked mean of the
+configured layers over the context's last ``max_length`` tokens), encodes z = mu with the
+beta-VAE and packs z with the LM fingerprint into a `TransportPayload`. A sender that already
+ran the LM over the context hands its outputs to `send_from_hidden_states` instead: no second
+forward. `receive` verifies the payload (bytes or object) against its own LM fingerprint,
+projects z to K memory vectors and greedy-decodes ``[memory ; question prompt]``.
+
+`save_pretrained` writes the ILCP modules in the export format of `ilcp.export` (config.json +
+model.safetensors, never the frozen LM); `from_pretrained` reads any run directory and refuses an
+LM whose fingerprint differs from the one the run was trained on (`ExportError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from . import __version__
+from .compressor import BetaVAE, latent_payload_bytes
+from .decoding import assemble_prefix, greedy_decode
+from .export import ExportError, check_fingerprint, read_export
+from .io import atomic_save_safetensors, atomic_write_json
+from .lm import LM, load_lm
+from .pooling import pool_from_outputs, tokenize_contexts
+from .projector import GatedLatentToMemoryProjector
+from .prompts import question_prompt
+from .transport import PayloadError, TransportPayload, pack, unpack
+
+__all__ = ["ILCPHandoff"]
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class ILCPHandoff:
+    """Sender and receiver sides of the ILCP handoff for one frozen LM.
+
+    Args:
+        lm: the frozen LM bundle (model, tokenizer, spec) both agents run.
+        compressor: the trained beta-VAE (input width D = hidden x number of pooled layers).
+        projector: the trained gated projector z (B, Z) -> memory (B, K, H).
+        config: the export's config.json as a dict (pooling settings, sizes, LM fingerprint).
+        device: where the compressor and projector run; default the LM's device.
+        payload_dtype: dtype of z on the wire: "float32", "float16" or "bfloat16".
+
+    Raises:
+        ExportError: the config was made for another LM, or the modules do not fit it.
+        ValueError: an unknown payload dtype.
+
+    Prefer `from_pretrained`; the constructor is for modules already in memory.
+    """
+
+    def __init__(
+        self,
+        lm: LM,
+        compressor: BetaVAE,
+        projector: GatedLatentToMemoryProjector,
+        config: dict,
+        *,
+        device: str | torch.device | None = None,
+        payload_dtype: str | torch.dtype = "float32",
+    ):
+        if not isinstance(lm, LM):
+            raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
+        # Computed once: the LM bundle hashes its vocabulary again on every access.
+        fingerprint = lm.fingerprint
+        check_fingerprint(config, fingerprint)
+        self._fingerprint = fingerprint
+        pooling = config.get("pooling", {})
+        self.layers = tuple(int(i) for i in pooling.get("layers", [-1]))
+        self.max_length = int(pooling.get("max_length", 512))
+        expected_dim = lm.hidden_size * len(self.layers)
+        if compressor.input_dim != expected_dim:
+            raise ExportError(
+                f"the compressor reads pooled states of width {compressor.input_dim}, but {len(self.layers)} "
+                f"pooled layer(s) of this LM (hidden {lm.hidden_size}) give {expected_dim}"
+            )
+        if projector.model_hidden != lm.hidden_size or projector.latent_dim != compressor.latent_dim:
+            raise ExportError(
+                f"the projector maps {projector.latent_dim} -> (K, {projector.model_hidden}); the compressor "
+                f"gives {compressor.latent_dim} floats and the LM's hidden size is {lm.hidden_size}"
+            )
+        # Fails early with a ValueError for an unknown payload dtype.
+        self.payload_dtype = pack(torch.zeros(1), lm_fingerprint=fingerprint, dtype=payload_dtype).dtype
+        self.lm = lm
+        self.config = copy.deepcopy(config)
+        self.device = torch.device(device) if device is not None else lm.device
+        self.compressor = compressor.to(self.device).float().eval()
+        self.projector = projector.to(self.device).float().eval()
+        self.source: Path | None = None
+
+    # ---------------------------------------------------------------------------------- loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        lm: LM | nn.Module | None = None,
+        tokenizer=None,
+        *,
+        device: str | torch.device | None = None,
+        payload_dtype: str | torch.dtype = "float32",
+        cache_dir: str | os.PathLike | None = None,
+    ) -> ILCPHandoff:
+        """Load the ILCP modules of a run directory (see `ilcp.export`) for an LM.
+
+        Args:
+            path: the run directory (config.json + model.safetensors).
+            lm: an `ilcp.lm.LM` bundle, or a Hugging Face causal LM (then ``tokenizer`` is
+                required), or None to load the LM named in config.json with `load_lm`.
+            tokenizer: the tokenizer of a bare model.
+            device: where the modules run (and where a loaded LM is placed); default the LM's.
+            payload_dtype: dtype of z on the wire.
+            cache_dir: `load_lm`'s cache, when the LM is loaded here.
+
+        Raises:
+            ExportError: not an export, no ILCP weights in it, or an LM with another fingerprint.
+            ValueError: a bare model without a tokenizer, or a tokenizer beside an LM bundle.
+        """
+        run = read_export(path)
+        if run.compressor is None or run.projector is None:
+            raise ExportError(
+                f"{str(path)!r} holds no ILCP weights (files: {sorted(run.config.get('files', {}))}); "
+                "train with 'ilcp' among handoff.variants"
+            )
+        if lm is None:
+            if tokenizer is not None:
+                raise ValueError("a tokenizer was given without its model: pass lm=model as well")
+            spec = run.config["lm"]
+            lm = load_lm(spec["spec"], dtype=spec.get("dtype", "float32"), device=device or "cpu", cache_dir=cache_dir)
+        elif isinstance(lm, LM):
+            if tokenizer is not None and tokenizer is not lm.tokenizer:
+                raise ValueError("lm is an LM bundle, which carries its tokenizer: do not pass another one")
+        elif isinstance(lm, nn.Module):
+            if tokenizer is None:
+                raise ValueError("a bare model needs its tokenizer: from_pretrained(path, lm=model, tokenizer=tok)")
+            lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
+        else:
+            raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
+        handoff = cls(lm, run.compressor, run.projector, run.config, device=device, payload_dtype=payload_dtype)
+        handoff.source = Path(path)
+        return handoff
+
+    def save_pretrained(self, path: str | os.PathLike) -> Path:
+        """Write config.json and model.safetensors (compressor.* and projector.* only) into ``path``.
+
+        Each file is written atomically and config.json last, so a directory with a config.json
+        holds a complete export; the written config lists model.safetensors as its only weights.
+        Returns the directory.
+        """
+        path = Path(path)
+        state = {f"compressor.{k}": v.detach().cpu() for k, v in self.compressor.state_dict().items()}
+        state.update({f"projector.{k}": v.detach().cpu() for k, v in self.projector.state_dict().items()})
+        atomic_save_safetensors(state, path / MODEL_FILE, {"format": "pt"})
+        config = copy.deepcopy(self.config)
+        config["files"] = {"ilcp": MODEL_FILE}
+        config["package_version"] = __version__
+        for key in ("train_config", "metrics"):  # files of a training run, not written here
+            config.pop(key, None)
+        atomic_write_json(path / CONFIG_FILE, config)
+        return path
+
+    # ------------------------------------------------------------------------------- properties
+
+    @property
+    def fingerprint(self) -> str:
+        """The LM fingerprint payloads carry and receivers check (computed when the handoff was built)."""
+        return self._fingerprint
+
+    @property
+    def latent_dim(self) -> int:
+        return self.compressor.latent_dim
+
+    @property
+    def num_memory_tokens(self) -> int:
+        """K, the memory vectors the receiver prepends to its question prompt."""
+        return self.projector.num_memory_tokens
+
+    @property
+    def payload_bytes(self) -> int:
+        """Tensor bytes of one latent: latent_dim x element size (128 for 32 x float32)."""
+        return latent_payload_bytes(self.latent_dim, self.payload_dtype)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes on the wire of one single-context payload (header, fingerprint, latent, CRC)."""
+        z = torch.zeros(self.latent_dim)
+        return len(pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype).to_bytes())
+
+    # ----------------------------------------------------------------------------------- sender
+
+    def sender_inputs(self, contexts: Sequence[str]) -> dict[str, Tensor]:
+        """Token ids as training pooled them: no special tokens, the last ``max_length`` tokens
+        of each context, right-padded.
+
+        Returns:
+            {"input_ids": (B, S) long, "attention_mask": (B, S) long} on the LM's device.
+
+        Raises:
+            ValueError: no contexts, a non-string, or a context with no tokens.
+        """
+        if isinstance(contexts, str) or not isinstance(contexts, Sequence) or len(contexts) == 0:
+            raise ValueError("contexts must be a non-empty list of strings")
+        if any(not isinstance(c, str) for c in contexts):
+            raise ValueError("contexts must be strings")
+        ids = tokenize_contexts(self.lm.tokenizer, contexts, self.max_length)
+        if any(len(seq) == 0 for seq in ids):
+            raise ValueError("cannot send an empty context (it has no tokens)")
+        width = max(len(seq) for seq in ids)
+        pad = self.lm.tokenizer.pad_token_id
+        input_ids = torch.full((len(ids), width), pad if pad is not None else 0, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, seq in enumerate(ids):
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
+
+    def pool(self, contexts: Sequence[str], *, batch_size: int = 16) -> Tensor:
+        """Pooled sender states of ``contexts``: one forward per batch of similar lengths.
+
+        Returns:
+            (B, D) float32 on the modules' device, in the order given.
+        """
+        inputs = self.sender_inputs(contexts)  # validates and truncates
+        lengths = inputs["attention_mask"].sum(-1).tolist()
+        order = sorted(range(len(contexts)), key=lambda i: lengths[i])
+        pooled = torch.empty((len(contexts), self.compressor.input_dim), dtype=torch.float32, device=self.device)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            width = max(lengths[i] for i in chunk)
+            ids = inputs["input_ids"][chunk, :width]
+            mask = inputs["attention_mask"][chunk, :width]
+            with torch.no_grad():
+                out = self.lm.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+                pooled[chunk] = pool_from_outputs(out, mask, self.layers).float().to(self.device)
+        return pooled
+
+    def latent(self, pooled: Tensor) -> Tensor:
+        """z = mu of the encoder: (B, D) pooled states -> (B, Z) float32."""
+        if not isinstance(pooled, Tensor) or pooled.dim() != 2 or pooled.shape[1] != self.compressor.input_dim:
+            raise ValueError(
+                f"pooled states must be a (batch, {self.compressor.input_dim}) tensor, got "
+                f"{tuple(pooled.shape) if isinstance(pooled, Tensor) else type(pooled).__name__}"
+            )
+        with torch.no_grad():
+            return self.compressor.latent(pooled.to(self.device).float())
+
+    def send(self, context: str | Sequence[str] | Tensor, *, batch_size: int = 16) -> TransportPayload:
+        """Pool, encode and pack a context.
+
+        Args:
+            context: one context string (payload latent (Z,)), a list of them (payload latent
+                (B, Z)), or pooled states already computed, (B, D) or (D,).
+            batch_size: contexts per pooling forward.
+
+        Returns:
+            the payload, on the CPU, carrying this LM's fingerprint.
+        """
+        single = isinstance(context, str) or (isinstance(context, Tensor) and context.dim() == 1)
+        if isinstance(context, Tensor):
+            pooled = context.unsqueeze(0) if context.dim() == 1 else context
+        else:
+            pooled = self.pool([context] if isinstance(context, str) else list(context), batch_size=batch_size)
+        z = self.latent(pooled)
+        return pack(z[0] if single else z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype)
+
+    def send_from_hidden_states(self, outputs, attention_mask: Tensor) -> TransportPayload:
+        """Pack the contexts a sender's own forward already encoded; runs no forward.
+
+        Args:
+            outputs: the LM's outputs with ``hidden_states`` (``output_hidden_states=True``), over
+                the context tokens as `sender_inputs` gives them (what training pooled).
+            attention_mask: (B, S), 1 on real tokens.
+
+        Returns:
+            a payload with latent (B, Z).
+        """
+        pooled = pool_from_outputs(outputs, attention_mask, self.layers)
+        return self.send(pooled.detach().float())
+
+    # --------------------------------------------------------------------------------- receiver
+
+    def parse(self, payload: TransportPayload | bytes | bytearray | memoryview) -> TransportPayload:
+        """Verify a payload (bytes or object) against this receiver's LM.
+
+        Raises:
+            PayloadError: invalid bytes, or a payload made by another LM.
+        """
+        if isinstance(payload, TransportPayload):
+            if payload.lm_fingerprint != self.fingerprint:
+                raise PayloadError(
+                    f"payload was made by LM {payload.lm_fingerprint}, this receiver runs {self.fingerprint}"
+                )
+            return payload
+        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint)
+
+    def memory_vectors(self, payload: TransportPayload | bytes) -> Tensor:
+        """Received payload -> memory vectors (B, K, H) in the LM's dtype, on the LM's device.
+
+        The receiver works on its own copy of z (`unpack`), so receivers never alias a payload.
+        """
+        z = unpack(self.parse(payload), self.device, dtype=torch.float32)
+        if z.dim() == 1:
+            z = z.unsqueeze(0)
+        if z.shape[1] != self.latent_dim:
+            raise PayloadError(f"payload latent has width {z.shape[1]}; this receiver expects {self.latent_dim}")
+        with torch.no_grad():
+            memory = self.projector(z, dtype=self.lm.dtype)
+        return memory.to(self.lm.device)
+
+    def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
+        """The receiver's prefixes ``[memory ; question prompt]``, one (K + L_i, H) per question."""
+        memory = self.memory_vectors(payload)
+        if memory.shape[0] != len(questions):
+            raise ValueError(f"payload holds {memory.shape[0]} latent(s) but {len(questions)} question(s) were given")
+        tok = self.lm.tokenizer
+        return [assemble_prefix(self.lm.model, tok, [memory[i], question_prompt(tok, q)]) for i, q in enumerate(questions)]
+
+    def receive(
+        self,
+        payload: TransportPayload | bytes,
+        question: str | Sequence[str],
+        max_new_tokens: int = 8,
+        *,
+        batch_size: int = 8,
+        stop_at_newline: bool = False,
+    ) -> str | list[str]:
+        """Answer questions from a received payload with greedy decoding.
+
+        Args:
+            payload: a `TransportPayload` or its bytes; must carry this LM's fingerprint.
+            question: one question (for a single-latent payload) or one per latent.
+            max_new_tokens: the answer's token budget.
+
+        Returns:
+            a string for a single question, else a list in order.
+
+        Raises:
+            PayloadError: invalid or foreign payload.
+            ValueError: the number of questions does not match the payload's batch.
+        """
+        single = isinstance(question, str)
+        questions = [question] if single else list(question)
+        if not questions or any(not isinstance(q, str) for q in questions):
+            raise ValueError("question must be a string or a non-empty list of strings")
+        prefixes = self.prefixes(payload, questions)
+        answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
+                                batch_size=batch_size, stop_at_newline=stop_at_newline)
+        return answers[0] if single else answers
+
+    def __repr__(self) -> str:
+        return (f"ILCPHandoff(lm={self.lm.spec!r}, fingerprint={self.fingerprint}, latent_dim={self.latent_dim}, "
+                f"K={self.num_memory_tokens}, payload_dtype={self.payload_dtype!r}, layers={list(self.layers)}, "
+                f"max_length={self.max_length})")

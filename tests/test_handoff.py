@@ -1,0 +1,194 @@
+"""ILCPHandoff on a tiny trained run: bytes round trip, reuse of the sender's forward, refusals,
+save/load, and the two-agent example."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ilcp.config import load_config
+from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
+from ilcp.export import ExportError, read_export
+from ilcp.handoff import ILCPHandoff
+from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
+from ilcp.pooling import pooled_states
+from ilcp.prompts import question_prompt
+from ilcp.training import train
+from ilcp.transport import PayloadError, TransportPayload, pack
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+
+CONTEXTS = ["John travelled to the hallway. Mary journeyed to the bathroom.",
+            "Daniel went back to the bathroom. Sandra moved to the kitchen. John went to the garden."]
+QUESTIONS = ["Where is John?", "Where is Sandra?"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("handoff-run")
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
+    return train(cfg, lm=tiny_lm).run_dir
+
+
+@pytest.fixture(scope="module")
+def handoff(run_dir, tiny_lm):
+    return ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
+
+
+def modules_directly(run_dir: Path, lm: LM, context: str, question: str):
+    """z (1, Z) and the receiver prefix, by the training path: pooled_states -> encoder -> projector."""
+    run = read_export(run_dir)
+    pooling = run.config["pooling"]
+    pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
+                           progress=False)
+    with torch.no_grad():
+        z = run.compressor.latent(pooled)
+        memory = run.projector(z, dtype=lm.dtype)
+    prefix = assemble_prefix(lm.model, lm.tokenizer, [memory[0], question_prompt(lm.tokenizer, question)])
+    return z, prefix
+
+
+def test_round_trip_through_bytes_matches_the_modules(handoff, run_dir, tiny_lm):
+    wire = handoff.send(CONTEXTS[0]).to_bytes()
+    assert isinstance(wire, bytes) and len(wire) == handoff.wire_bytes
+    received = TransportPayload.from_bytes(wire, expected_fingerprint=tiny_lm.fingerprint)
+    assert received.latent.shape == (handoff.latent_dim,)
+    assert received.byte_length() == handoff.payload_bytes == 4 * handoff.latent_dim
+
+    z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[0], QUESTIONS[0])
+    torch.testing.assert_close(received.latent, z[0], rtol=1e-5, atol=1e-5)
+    prefix = handoff.prefixes(wire, [QUESTIONS[0]])[0]
+    assert prefix.shape == expected_prefix.shape
+    torch.testing.assert_close(prefix, expected_prefix, rtol=1e-5, atol=1e-5)
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    answer = handoff.receive(wire, QUESTIONS[0], max_new_tokens=4)
+    assert isinstance(answer, str)
+    assert answer == greedy_decode(model, tok, [expected_prefix], max_new_tokens=4)[0]
+    # The same tokens, not just the same (possibly empty) text.
+    assert greedy_decode_ids(model, tok, [prefix], max_new_tokens=4) == \
+        greedy_decode_ids(model, tok, [expected_prefix], max_new_tokens=4)
+
+
+def test_batched_send_equals_single_sends(handoff):
+    batched = handoff.send(CONTEXTS)
+    assert batched.latent.shape == (2, handoff.latent_dim)
+    for i, context in enumerate(CONTEXTS):
+        torch.testing.assert_close(batched.latent[i], handoff.send(context).latent, rtol=1e-5, atol=1e-5)
+    answers = handoff.receive(batched.to_bytes(), QUESTIONS, max_new_tokens=3)
+    assert isinstance(answers, list) and len(answers) == 2
+    with pytest.raises(ValueError, match="2 latent"):
+        handoff.receive(batched, QUESTIONS[:1])
+
+
+def test_two_receivers_of_one_payload_do_not_alias(handoff, run_dir, tiny_lm):
+    other = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
+    payload = handoff.send(CONTEXTS)
+    before = payload.latent.clone()
+    first, second = handoff.memory_vectors(payload), other.memory_vectors(payload)
+    assert first.shape == (2, handoff.num_memory_tokens, tiny_lm.hidden_size)
+    assert first.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    first.add_(1.0)  # one receiver edits its memory in place
+    assert torch.equal(payload.latent, before)
+    torch.testing.assert_close(other.memory_vectors(payload), second, rtol=0, atol=0)
+    assert handoff.receive(payload, QUESTIONS, max_new_tokens=3) == other.receive(payload, QUESTIONS, max_new_tokens=3)
+
+
+def test_send_from_hidden_states_equals_send_and_runs_no_forward(handoff, tiny_lm):
+    model = tiny_lm.model
+    inputs = handoff.sender_inputs(CONTEXTS)
+    with torch.no_grad():  # the sender's own forward, done for its own reasons
+        outputs = model(**inputs, output_hidden_states=True, use_cache=False)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        reused = handoff.send_from_hidden_states(outputs, inputs["attention_mask"])
+        assert forwards == [], "send_from_hidden_states ran a forward"
+        fresh = handoff.send(CONTEXTS)
+        assert forwards == [1], "the hook counts forwards: send runs one"
+    finally:
+        hook.remove()
+    torch.testing.assert_close(reused.latent, fresh.latent, rtol=1e-5, atol=1e-5)
+    assert reused.lm_fingerprint == fresh.lm_fingerprint == tiny_lm.fingerprint
+
+
+def test_payload_from_another_lm_is_refused(handoff):
+    foreign = pack(torch.zeros(handoff.latent_dim), lm_fingerprint="0123456789abcdef")
+    with pytest.raises(PayloadError, match="made by LM 0123456789abcdef"):
+        handoff.receive(foreign.to_bytes(), QUESTIONS[0])
+    with pytest.raises(PayloadError, match="made by LM"):
+        handoff.receive(foreign, QUESTIONS[0])
+    wire = bytearray(handoff.send(CONTEXTS[0]).to_bytes())
+    wire[-6] ^= 0x01
+    with pytest.raises(PayloadError, match="CRC"):
+        handoff.receive(bytes(wire), QUESTIONS[0])
+
+
+def test_from_pretrained_with_another_lm_is_refused(run_dir, tiny_lm):
+    model, tokenizer = build_tiny_qwen3(seed=1)  # same architecture, other weights
+    with pytest.raises(ExportError, match="fingerprint"):
+        ILCPHandoff.from_pretrained(run_dir, lm=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm.model)
+    with pytest.raises(ExportError, match="not a directory"):
+        ILCPHandoff.from_pretrained(run_dir / "missing", lm=tiny_lm)
+
+
+def test_save_pretrained_round_trip_writes_only_the_trained_modules(handoff, tiny_lm, tmp_path):
+    out = handoff.save_pretrained(tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    state = load_file(str(out / "model.safetensors"))
+    assert state and all(k.startswith(("compressor.", "projector.")) for k in state)
+    embed_shape = tuple(tiny_lm.model.get_input_embeddings().weight.shape)
+    assert all(tuple(v.shape) != embed_shape for v in state.values())
+    assert sum(v.numel() for v in state.values()) < sum(p.numel() for p in tiny_lm.model.parameters())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+    again = ILCPHandoff.from_pretrained(out, lm=tiny_lm)
+    payload = handoff.send(CONTEXTS)
+    assert torch.equal(again.memory_vectors(payload), handoff.memory_vectors(payload))
+    assert torch.equal(again.send(CONTEXTS).latent, payload.latent)
+    assert read_export(out).soft_prompts == {}
+
+
+def test_two_agents_hand_over_bytes(run_dir):
+    # Agent A loads the run's LM itself; agent B brings its own copy of the same model.
+    sender = ILCPHandoff.from_pretrained(run_dir)
+    model, tokenizer = build_tiny_qwen3()
+    receiver = ILCPHandoff.from_pretrained(run_dir, lm=model, tokenizer=tokenizer)
+    assert sender.lm.model is not receiver.lm.model
+    wire = sender.send("Mary moved to the office. John went to the garden.").to_bytes()
+    answer = receiver.receive(wire, "Where is John?", max_new_tokens=3)
+    assert isinstance(answer, str)
+    assert answer == sender.receive(wire, "Where is John?", max_new_tokens=3)
+
+
+def test_bad_inputs_are_value_errors(handoff):
+    with pytest.raises(ValueError, match="empty context"):
+        handoff.send("")
+    with pytest.raises(ValueError, match="non-empty list"):
+        handoff.send([])
+    with pytest.raises(ValueError, match="pooled states"):
+        handoff.send(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="payload dtype"):
+        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, payload_dtype="int8")
+    with pytest.raises(ValueError, match="question"):
+        handoff.receive(handoff.send(CONTEXTS[0]), [])
+
+
+def test_half_precision_payload_is_smaller(handoff):
+    half = ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, payload_dtype="float16")
+    payload = half.send(CONTEXTS[0])
+    assert payload.dtype == "float16" and half.payload_bytes == 2 * half.latent_dim
+    assert len(payload.to_bytes()) == half.wire_bytes == handoff.wire_bytes - 2 * half.latent_dim
+    assert isinstance(half.receive(payload.to_bytes(), QUESTIONS[0], max_new_tokens=2), str)
+
+
+def test_load_lm_spec_matches_the_fixture(tiny_lm):
+    # The two-agent test relies on a fresh tiny LM having the fixture's fingerprint.
+    assert load_lm(TINY_LM).fingerprint == tiny_lm.fingerprint
