@@ -6,26 +6,44 @@
     rclc.transfer_sync(sender, receiver, "Who owns Cedar?")      # or: await rclc.transfer(...)
     tokens = model.generate(**receiver.pop(), do_sample=False)
 
-See shared/spec/rclc-api.md for the full contract. Nothing here runs at import time.
+Bound agents (`bind` = `Agent`) wrap the same pieces for an existing agent loop:
+
+    agent_x = rclc.bind(model, tokenizer, messages=history_x)
+    agent_y = rclc.bind(model, tokenizer, messages=history_y)
+    await rclc.transfer(agent_x, agent_y, question)
+    inputs = agent_y.pop()
+    agent_y.update(inputs=inputs, generation=model.generate(**inputs, return_dict_in_generate=True))
+
+`check` and ``python -m ilcp.rclc doctor`` report the environment. See shared/spec/rclc-api.md
+for the full contract. Nothing here runs at import time.
 """
 
 from ilcp.rclc import budget, selectors
+from ilcp.rclc.agent import Agent, bind
+from ilcp.rclc.backends import BackendUnavailableError
+from ilcp.rclc.check import check
 from ilcp.rclc.message import Delivery, Message
 from ilcp.rclc.reasoning import latent_mass, latent_mass_sync
 from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE, HFReceiver
 from ilcp.rclc.record import SelectionRecord
 from ilcp.rclc.sender import sender_from_hf
+from ilcp.rclc.snapshot import SnapshotError
 from ilcp.rclc.state import SenderState
 from ilcp.rclc.transfer import transfer, transfer_sync
 
 __all__ = [
+    "Agent",
+    "BackendUnavailableError",
     "DEFAULT_SLOT_TEMPLATE",
     "Delivery",
     "HFReceiver",
     "Message",
     "SelectionRecord",
     "SenderState",
+    "SnapshotError",
+    "bind",
     "budget",
+    "check",
     "latent_mass",
     "latent_mass_sync",
     "selectors",

@@ -56,6 +56,32 @@ class ReceiverPlan:
     space: int
 
 
+@dataclass(frozen=True)
+class InputLayout:
+    """Where the received rows sit in prepared inputs.
+
+    Attributes:
+        token_ids: int64 [P] aligned with the input rows: prompt token IDs, the received
+            positions' IDs where the delivery carried them, -1 for received continuous rows.
+        received_start / received_stop: the received rows are ``[received_start, received_stop)``.
+    """
+
+    token_ids: torch.Tensor
+    received_start: int
+    received_stop: int
+
+
+def received_token_ids(delivery: Delivery) -> torch.Tensor:
+    """int64 [positions] of a delivery in sender order: known IDs of mixed messages, else -1."""
+    parts = []
+    for m in delivery.messages:
+        if m.token_ids is not None:
+            parts.append(m.token_ids.detach().cpu().to(torch.long))
+        else:
+            parts.append(torch.full((m.positions,), -1, dtype=torch.long))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 @dataclass
 class _Queued:
     delivery: Delivery
@@ -194,6 +220,16 @@ class HFReceiver:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def queued(self) -> list[tuple[Delivery, RenderedPrompt]]:
+        """Each queued delivery with its prompt snapshot, in queue order (nothing is consumed)."""
+        return [(entry.delivery, entry.prompt) for entry in self._queue]
+
+    def consume_next(self) -> None:
+        """Drop the next queued delivery (after `prepare_next` produced its inputs)."""
+        if not self._queue:
+            raise IndexError("the receiver has no queued handoff")
+        self._queue.popleft()
+
     def peek(self) -> Delivery:
         """The next delivery, without consuming it."""
         if not self._queue:
@@ -214,6 +250,12 @@ class HFReceiver:
             IndexError: nothing is queued.
             ValueError: rows, prompt and allowance exceed the context limit (the delivery stays queued).
         """
+        inputs, _ = self.prepare_next(prompt, max_new_tokens)
+        self.consume_next()
+        return inputs
+
+    def prepare_next(self, prompt=None, max_new_tokens: int | None = None) -> tuple[dict, "InputLayout"]:
+        """`pop`'s inputs for the next delivery and their layout, without consuming it."""
         if not self._queue:
             raise IndexError("the receiver has no queued handoff")
         entry = self._queue[0]
@@ -239,8 +281,9 @@ class HFReceiver:
             "attention_mask": torch.ones(1, embeds.shape[1], dtype=torch.long, device=embeds.device),
             "max_new_tokens": allowance,
         }
-        self._queue.popleft()
-        return inputs
+        token_ids = torch.cat([rendered.before[0], received_token_ids(entry.delivery), rendered.after[0]])
+        start = int(rendered.before.shape[1])
+        return inputs, InputLayout(token_ids=token_ids, received_start=start, received_stop=start + int(rows.shape[0]))
 
     def __repr__(self) -> str:
         return (

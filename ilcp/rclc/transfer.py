@@ -14,7 +14,8 @@ deliveries stay. Model work runs in worker threads under one process-wide lock; 
 waits for the running worker, then raises CancelledError.
 
 Extension points for other sender and receiver kinds (bound agents, other backends):
-a sender may be any object with ``sender_state()`` (sync or async) returning a SenderState; a
+a sender may be any object with ``sender_state()`` (sync or async) returning a SenderState
+(``_rclc_sender_state()``, when present, is preferred: `Agent` prefills there in a worker); a
 receiver that takes part in budget fitting implements ``_rclc_plan(request)`` (returning an
 object with ``space``, the positions it can hold), ``_rclc_accept(delivery, plan)`` and,
 optionally, ``_rclc_check_sender(state)``, as `HFReceiver` does.
@@ -64,7 +65,8 @@ def _items(value, name: str) -> list:
 async def _sender_state(sender) -> SenderState:
     if isinstance(sender, SenderState):
         return sender
-    provider = getattr(sender, "sender_state", None)
+    # A bound agent prepares its state in a worker through `_rclc_sender_state`.
+    provider = getattr(sender, "_rclc_sender_state", None) or getattr(sender, "sender_state", None)
     if provider is None:
         raise TypeError(f"a sender must be a SenderState or provide sender_state(), got {type(sender).__name__}")
     state = provider()

@@ -33,3 +33,24 @@ def story_messages():
 @pytest.fixture
 def sender(model, tokenizer, story_messages):
     return rclc.sender_from_hf(model, tokenizer, story_messages)
+
+
+@pytest.fixture
+def history_x(story):
+    """A sender's chat history (the story as a prior user turn)."""
+    return [{"role": "user", "content": story}]
+
+
+@pytest.fixture
+def history_y():
+    """A receiver's chat history (system instructions only)."""
+    return [{"role": "system", "content": "Answer the question with one word."}]
+
+
+@pytest.fixture(scope="session")
+def other_lm():
+    """A tiny Qwen3 with other random weights (seed 1) and the same tokenizer and config."""
+    from ilcp.lm import build_tiny_qwen3
+
+    model, tokenizer = build_tiny_qwen3(seed=1)
+    return model.eval(), tokenizer

@@ -1,0 +1,519 @@
+"""`Agent` (alias `bind`): an existing agent's model, history and state, bound for RCLC.
+
+    agent_x = rclc.bind(model, tokenizer, messages=history_x, backend="hf")
+    agent_y = rclc.bind(model, tokenizer, messages=history_y, backend="hf")
+    await rclc.transfer(agent_x, agent_y, question)
+    inputs = agent_y.pop()
+    output = model.generate(**inputs, return_dict_in_generate=True)
+    agent_y.update(inputs=inputs, generation=output)
+    await rclc.transfer(agent_y, agent_x, follow_up)
+
+An agent is a sender when it stands first in `transfer` and a receiver when it stands second.
+
+State, as a sender: either the *history* (the bound ``messages``, rendered without a new
+assistant prefix and prefilled lazily; a later send reuses that prefill and extends it by an
+appended suffix, while an edited earlier token causes a fresh prefill) or an *explicit* state
+(from ``prompt=``/``generation=`` at bind, `update`, `append` or `load`), which stays current
+until append or update changes it. ``update()`` with no arguments returns to the history.
+
+Continuations: `pop` (a received handoff) and `inputs` (the retained state) return
+``model.generate`` inputs and record them as *pending*; `update(inputs=..., generation=...)`
+records the continuation. While inputs are pending the agent refuses to send, pop, prepare,
+append, save or load, so it never sends stale state. Every operation validates and computes
+first and changes the agent last: a failed or cancelled call keeps the previous state,
+pending inputs and queue. The bound ``messages`` list is never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ilcp.rclc import inspect as inspect_report
+from ilcp.rclc import snapshot as snapshots
+from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
+from ilcp.rclc.backends import resolve_backend
+from ilcp.rclc.message import Delivery
+from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE
+from ilcp.rclc.state import SenderState
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Inputs handed out by `pop` or `inputs`, awaiting `update(inputs=..., generation=...)`.
+
+    Attributes:
+        inputs: the exact dictionary returned (identity is checked).
+        embeds: its ``inputs_embeds`` [1, P, hidden] as returned.
+        token_ids: int64 [P] aligned IDs, -1 for continuous rows.
+        inherited: leading rows that count as inherited after the update.
+        source: "pop" or "inputs".
+    """
+
+    inputs: dict
+    embeds: torch.Tensor
+    token_ids: torch.Tensor
+    inherited: int
+    source: str
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class Agent:
+    """A bound agent: sender and receiver state over an existing model (see the module docstring).
+
+    Args:
+        model: the loaded model (backend="hf": a Hugging Face causal LM in eval mode).
+        tokenizer: its tokenizer (needed for messages, text and snapshots).
+        messages: chat history (system instructions and prior turns). It is the receiver
+            history, and the sender state when no explicit state is given. Read, never modified.
+        prompt: explicit sender state: chat messages, rendered text or int64 [1, tokens] IDs.
+        past_key_values: a cache for a prefix of ``prompt`` (reused or extended, never modified).
+        generation: explicit sender state from a token-input ``generate(...,
+            return_dict_in_generate=True)`` output.
+        backend: "hf" ("vllm" is not part of this build and raises BackendUnavailableError).
+        max_new_tokens: output reservation for generation inputs and receiver budget fitting.
+        context_limit: at most the model's (the default).
+        placement / slot_template: where received rows go (see `HFReceiver`). With "in_prompt"
+            the inherited prefix after an update runs through the last received row.
+        allow_unstable: opt-in for unstable vLLM releases (recorded; checked by `rclc.check`).
+
+    Raises:
+        ValueError / TypeError: conflicting sources, a model in training mode, a context limit
+        above the model's, explicit state longer than the context limit.
+        BackendUnavailableError: backend="vllm".
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        messages=None,
+        prompt=None,
+        past_key_values=None,
+        generation=None,
+        backend: str = "hf",
+        max_new_tokens: int = 128,
+        context_limit: int | None = None,
+        placement: str = "prefix",
+        slot_template: str = DEFAULT_SLOT_TEMPLATE,
+        allow_unstable: bool = False,
+    ) -> None:
+        self._backend = resolve_backend(backend, model, tokenizer, allow_unstable=allow_unstable)
+        self.allow_unstable = allow_unstable
+        if prompt is not None and generation is not None:
+            raise ValueError("bind with prompt=... or generation=..., not both")
+        if past_key_values is not None and prompt is None:
+            raise ValueError("past_key_values needs the exact prompt it was built from: bind(..., prompt=ids, past_key_values=cache)")
+        _positive(max_new_tokens, "max_new_tokens")
+        self._receiver = self._backend.receiver(messages, max_new_tokens=max_new_tokens, context_limit=context_limit,
+                                                placement=placement, slot_template=slot_template)
+        explicit = None
+        if prompt is not None:
+            with MODEL_LOCK:
+                explicit = self._backend.source_state(prompt, past_key_values)
+        elif generation is not None:
+            with MODEL_LOCK:
+                explicit = self._backend.generation_state(generation)
+        if explicit is not None:
+            self._check_fits(explicit.positions)
+        self._explicit: SenderState | None = explicit
+        self._history: tuple[torch.Tensor, SenderState] | None = None
+        self._pending: _Pending | None = None
+        self._busy: str | None = None
+
+    # ---------------------------------------------------------------------------------------
+    # configuration
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def model(self):
+        """The HF model (for vLLM it would be the shared-weight view)."""
+        return self._backend.model
+
+    @property
+    def tokenizer(self):
+        return self._backend.tokenizer
+
+    @property
+    def engine(self):
+        """The vLLM engine, or None for the HF backend."""
+        return self._backend.engine
+
+    @property
+    def messages(self):
+        """The bound chat history (the caller's list, read at each use)."""
+        return self._receiver.messages
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._receiver.max_new_tokens
+
+    @property
+    def context_limit(self) -> int:
+        return self._receiver.context_limit
+
+    @property
+    def placement(self) -> str:
+        return self._receiver.placement
+
+    def __len__(self) -> int:
+        """Number of queued handoffs."""
+        return len(self._receiver)
+
+    # ---------------------------------------------------------------------------------------
+    # guards
+
+    def _check_idle(self, operation: str) -> None:
+        if self._busy is not None:
+            raise RuntimeError(f"{operation} while {self._busy} is in progress on this agent; await it first")
+
+    def _check_no_pending(self, operation: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(
+                f"cannot {operation}: inputs from {self._pending.source}() are pending; record the continuation "
+                "with update(inputs=inputs, generation=output) first (or pop(discard_pending=True) for an "
+                "answer that will not be sent onward)"
+            )
+
+    def _check_no_queue(self, operation: str) -> None:
+        if len(self._receiver):
+            raise RuntimeError(f"cannot {operation} with {len(self._receiver)} queued handoff(s); pop() them first")
+
+    def _check_fits(self, positions: int) -> None:
+        if positions > self.context_limit:
+            raise ValueError(f"the state would hold {positions} positions, more than the context limit of {self.context_limit}")
+
+    # ---------------------------------------------------------------------------------------
+    # sender state
+
+    def _no_state_error(self) -> ValueError:
+        return ValueError(
+            "the agent has no sender state: bind messages=..., prompt=... or generation=..., "
+            "append text or IDs, or load a snapshot"
+        )
+
+    def _history_ids(self) -> torch.Tensor:
+        if not self.messages:
+            raise self._no_state_error()
+        return self._backend.history_ids(self.messages)
+
+    def _prepare_state(self) -> tuple[SenderState, tuple[torch.Tensor, SenderState] | None]:
+        """The current sender state and, in history mode, the new history cache entry (not stored)."""
+        if self._explicit is not None:
+            return self._explicit, None
+        ids = self._history_ids()
+        self._check_fits(int(ids.shape[1]))
+        with MODEL_LOCK:
+            state = self._backend.history_state(ids, self._history)
+        return state, (ids, state)
+
+    def sender_state(self) -> SenderState:
+        """The state this agent sends (blocking: a history prefill runs here when needed).
+
+        Raises:
+            RuntimeError: inputs are pending, or another operation is in progress.
+            ValueError: no messages and no explicit state.
+        """
+        self._check_idle("sender_state()")
+        self._check_no_pending("send state")
+        state, history = self._prepare_state()
+        if history is not None:
+            self._history = history
+        return state
+
+    async def _rclc_sender_state(self) -> SenderState:
+        """`sender_state` for `transfer`: the history prefill runs in a worker."""
+        self._check_idle("transfer")
+        self._check_no_pending("send state")
+        if self._explicit is not None:
+            return self._explicit
+        self._busy = "a history prefill"
+        try:
+            state, history = await run_in_worker(self._prepare_state, lock=False)
+        finally:
+            self._busy = None
+        self._history = history
+        return state
+
+    def _current_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Rows [T, hidden], IDs [T], inherited and latent counts of the current state, without a forward."""
+        if self._explicit is not None:
+            s = self._explicit
+            ids = s.token_ids if s.token_ids is not None else torch.full((s.positions,), -1, dtype=torch.long)
+            return s.input_embeds, ids.cpu(), s.inherited_positions, s.latent_steps
+        ids = self._history_ids()
+        if self._history is not None and torch.equal(self._history[0], ids):
+            return self._history[1].input_embeds, ids[0], 0, 0
+        with MODEL_LOCK:
+            return self._backend.embed(ids[0]), ids[0], 0, 0
+
+    # ---------------------------------------------------------------------------------------
+    # the receiver protocol (transfer calls these)
+
+    def _rclc_check_sender(self, state) -> None:
+        self._receiver._rclc_check_sender(state)
+
+    def _rclc_plan(self, request):
+        return self._receiver._rclc_plan(request)
+
+    def _rclc_accept(self, delivery: Delivery, plan) -> None:
+        self._receiver._rclc_accept(delivery, plan)
+
+    # ---------------------------------------------------------------------------------------
+    # continuations
+
+    def pop(self, prompt=None, max_new_tokens: int | None = None, *, discard_pending: bool = False) -> dict:
+        """Generation inputs for the next queued handoff; consumes it and records the inputs as pending.
+
+        Args:
+            prompt: replaces the queued request (string or int64 [1, tokens] IDs), no reselection.
+            max_new_tokens: replaces the output allowance.
+            discard_pending: replace inputs still pending from an earlier pop() or inputs()
+                (for answers that will not be sent onward).
+        Returns:
+            ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``.
+        Raises:
+            RuntimeError: inputs are pending and ``discard_pending`` is False.
+            IndexError: nothing is queued.
+            ValueError: rows, prompt and allowance exceed the context limit (the handoff stays queued).
+        """
+        self._check_idle("pop()")
+        if not discard_pending:
+            self._check_no_pending("pop another handoff")
+        inputs, layout = self._receiver.prepare_next(prompt, max_new_tokens)
+        pending = _Pending(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=layout.token_ids,
+                           inherited=layout.received_stop, source="pop")
+        self._receiver.consume_next()
+        self._pending = pending
+        return inputs
+
+    async def inputs(self, max_new_tokens: int | None = None) -> dict:
+        """Generation inputs for the retained state, recorded as pending (no queued handoff is consumed).
+
+        The retained rows are passed whole as ``inputs_embeds``, so generation prefills them once.
+
+        Returns:
+            ``{"inputs_embeds": [1, T, hidden], "attention_mask": int64 [1, T], "max_new_tokens": n}``.
+        Raises:
+            RuntimeError: inputs are pending, or another operation is in progress.
+            ValueError: no state, or no room for ``max_new_tokens`` within the context limit.
+        """
+        self._check_idle("inputs()")
+        self._check_no_pending("prepare inputs")
+        allowance = self.max_new_tokens if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        self._busy = "inputs()"
+        try:
+            rows, ids, inherited, _ = await run_in_worker(self._current_rows, lock=False)
+            if rows.shape[0] + allowance > self.context_limit:
+                raise ValueError(
+                    f"{rows.shape[0]} retained positions + {allowance} output positions exceed the "
+                    f"context limit of {self.context_limit}"
+                )
+            inputs = self._backend.generation_inputs(rows, allowance)
+        finally:
+            self._busy = None
+        self._pending = _Pending(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=ids.clone(),
+                                 inherited=inherited, source="inputs")
+        return inputs
+
+    def update(self, source=None, *, inputs: dict | None = None, generation=None, past_key_values=None) -> None:
+        """Record new sender state.
+
+        Forms:
+            ``update(inputs=inputs, generation=output)``: the continuation of the latest pop() or
+                inputs(); ``inputs`` must be that exact dictionary, generated from without adding
+                input_ids. Keeps the exact input rows, appends the new tokens and completes the
+                uncached suffix on a private copy of the generation's cache. Received continuous
+                rows keep token ID -1 and count as inherited positions.
+            ``update(generation=output)``: an ordinary token-input generation.
+            ``update(exact_ids, past_key_values=cache)``: a current prompt and its (prefix) cache;
+                ``exact_ids`` may also be rendered text or chat messages.
+            ``update()``: discard explicit state and pending inputs; send the message history again.
+
+        Raises:
+            RuntimeError: no pending inputs for ``inputs=``, or another operation is in progress.
+            ValueError / TypeError: a different dictionary, added input_ids, replaced rows, an
+            invalid generation, a state beyond the context limit. The previous state, pending
+            inputs and queue are kept.
+        """
+        self._check_idle("update()")
+        if inputs is not None:
+            if generation is None:
+                raise ValueError("update(inputs=...) needs generation=<the model.generate output>")
+            if source is not None or past_key_values is not None:
+                raise ValueError("update(inputs=..., generation=...) takes no prompt or past_key_values")
+            pending = self._pending
+            if pending is None:
+                raise RuntimeError("no pending inputs: call pop() or await inputs() first")
+            if inputs is not pending.inputs:
+                raise ValueError("pass the exact dictionary returned by the latest pop() or inputs()")
+            if "input_ids" in inputs:
+                raise ValueError("generate from the continuous inputs without adding input_ids")
+            if inputs.get("inputs_embeds") is not pending.embeds:
+                raise ValueError("inputs['inputs_embeds'] was replaced; pass the dictionary as it was returned")
+            with MODEL_LOCK:
+                state = self._backend.continuation_state(pending.embeds[0], pending.token_ids, pending.inherited, generation)
+        elif generation is not None:
+            if source is not None or past_key_values is not None:
+                raise ValueError("pass generation=... alone, or exact IDs with an optional past_key_values")
+            with MODEL_LOCK:
+                state = self._backend.generation_state(generation)
+        elif source is not None:
+            with MODEL_LOCK:
+                state = self._backend.source_state(source, past_key_values)
+        elif past_key_values is not None:
+            raise ValueError("past_key_values needs the exact IDs it was built from: update(exact_ids, past_key_values=cache)")
+        else:
+            self._explicit = None
+            self._pending = None
+            return
+        self._check_fits(state.positions)
+        self._explicit = state
+        self._pending = None
+
+    async def append(self, content) -> None:
+        """Extend the retained state with rendered text or exact int64 [1, tokens] IDs.
+
+        No chat template is applied and nothing is generated; ``messages`` is left alone.
+        Received vectors and inherited counts survive (a former latent tail stops being a tail).
+        The extension runs on a private cache copy in a worker.
+
+        Raises:
+            RuntimeError: inputs are pending, or another operation is in progress.
+            ValueError / TypeError: invalid content, no tokenizer for text, context overflow.
+            The previous state is kept on any failure or cancellation.
+        """
+        self._check_idle("append()")
+        self._check_no_pending("append")
+        ids = self._backend.content_ids(content)
+        self._busy = "append()"
+        try:
+            state = await run_in_worker(self._appended_state, ids, lock=False)
+        finally:
+            self._busy = None
+        self._explicit = state
+
+    def _appended_state(self, ids: torch.Tensor) -> SenderState:
+        if self._explicit is None and not self.messages:
+            self._check_fits(int(ids.shape[1]))
+            with MODEL_LOCK:
+                return self._backend.source_state(ids)
+        if self._explicit is not None:
+            current = self._explicit.positions
+        else:
+            current = int(self._history_ids().shape[1])
+        self._check_fits(current + int(ids.shape[1]))
+        base, _ = self._prepare_state()
+        with MODEL_LOCK:
+            return self._backend.extend(base, ids)
+
+    # ---------------------------------------------------------------------------------------
+    # snapshots
+
+    async def save(self, path) -> None:
+        """Atomically write the retained rows, aligned IDs and counts to a safetensors file.
+
+        The metadata carries the LM fingerprint (weights, forward config, vocabulary). No
+        weights, caches, history, queue or sampling settings are written. Cancellation waits
+        for the write, which may already have completed.
+
+        Raises:
+            RuntimeError: inputs are pending or handoffs are queued.
+            ValueError: no state, or no tokenizer.
+        """
+        self._check_idle("save()")
+        self._check_no_pending("save")
+        self._check_no_queue("save")
+        self._busy = "save()"
+        try:
+            await run_in_worker(self._write_snapshot, Path(path), lock=False)
+        finally:
+            self._busy = None
+
+    def _write_snapshot(self, path: Path) -> None:
+        with MODEL_LOCK:
+            rows, ids, inherited, latent = self._current_rows()
+            fingerprint = self._backend.fingerprint()
+            identity = self._backend.describe()
+        snapshots.write_snapshot(path, rows, ids, inherited_positions=inherited, latent_steps=latent,
+                                 fingerprint=fingerprint, identity=identity)
+
+    async def load(self, path) -> None:
+        """Restore a snapshot as the explicit state (validated first, then re-prefilled).
+
+        Raises:
+            RuntimeError: inputs are pending or handoffs are queued.
+            SnapshotError: an unreadable, truncated, corrupted or foreign file, another model
+                (fingerprint), dtype or hidden size, rows that do not match their IDs, more
+                positions than the context limit. The previous state is kept on any failure or
+                cancellation.
+        """
+        self._check_idle("load()")
+        self._check_no_pending("load")
+        self._check_no_queue("load")
+        self._busy = "load()"
+        try:
+            state = await run_in_worker(self._read_snapshot, Path(path), lock=False)
+        finally:
+            self._busy = None
+        self._explicit = state
+
+    def _read_snapshot(self, path: Path) -> SenderState:
+        snap = snapshots.read_snapshot(path)
+        backend = self._backend
+        with MODEL_LOCK:
+            snapshots.check_compatible(snap, fingerprint=backend.fingerprint(), dtype=backend.dtype,
+                                       hidden_size=backend.hidden_size, vocab_size=backend.vocab_size,
+                                       context_limit=self.context_limit)
+            rows = snap.input_embeds.to(backend.device)
+            ids = snap.token_ids
+            known = (ids >= 0).nonzero().flatten()
+            if known.numel():
+                expected = backend.embed(ids[known])
+                if not torch.allclose(rows[known.to(rows.device)].float(), expected.float(), rtol=1e-3, atol=1e-5):
+                    raise snapshots.SnapshotError("the snapshot's rows do not match the embeddings of its token IDs")
+            return backend.rows_state(rows, ids, snap.inherited_positions, snap.latent_steps)
+
+    # ---------------------------------------------------------------------------------------
+    # inspection
+
+    def inspect(self, selection: bool = False) -> dict:
+        """A JSON-serialisable report: queued deliveries (per-sender positions, payload bytes,
+        remaining positions), pending inputs, the prepared sender state. No forward pass; nothing
+        is consumed. ``selection=True`` adds each delivery's selection records."""
+        return inspect_report.agent_report(self, selection=selection)
+
+    def selection_html(self, request_index: int = 0) -> str:
+        """HTML of a queued delivery's recorded selection (kept spans in green).
+
+        Raises:
+            IndexError: no queued handoff at ``request_index``.
+            ValueError: the transfer did not record selections.
+        """
+        queued = self._receiver.queued()
+        if isinstance(request_index, bool) or not isinstance(request_index, int):
+            raise TypeError(f"request_index must be an int, got {type(request_index).__name__}")
+        if not 0 <= request_index < len(queued):
+            raise IndexError(f"no queued handoff at request_index={request_index} ({len(queued)} queued)")
+        return queued[request_index][0].selection_html()
+
+    def __repr__(self) -> str:
+        source = "explicit" if self._explicit is not None else ("history" if self.messages else "none")
+        return (
+            f"Agent(backend={self.backend!r}, model={type(self.model).__name__}, state={source}, "
+            f"queued={len(self)}, pending={self._pending is not None})"
+        )
+
+
+bind = Agent
