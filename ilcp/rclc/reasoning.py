@@ -50,7 +50,7 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
         cache = compat.clone_cache(state.past_key_values)
         if request is not None:
             outputs = hf.forward_rows(model, hf.embed_ids(model, request[0]), cache, output_hidden_states=True)
-            cache = compat.output_cache_or_none(outputs)
+            cache = compat.output_cache(outputs)
         else:
             # The last row's hidden state is not stored: recompute it on a scratch copy cropped
             # before it, so the rollout's cache keeps the state's exact prefix.
@@ -64,7 +64,7 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
             row = (hidden * (target_norm / hidden.norm().clamp_min(1e-12))).to(weight.dtype)
             new_rows.append(row)
             outputs = hf.forward_rows(model, row.unsqueeze(0), cache, output_hidden_states=True)
-            cache = compat.output_cache_or_none(outputs)
+            cache = compat.output_cache(outputs)
         rows = torch.stack(new_rows)
         if request is not None:
             # The request only conditioned the rollout: replay the new rows over the original prefix.

@@ -8,8 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from ilcp import rclc
-from ilcp import compat
+from ilcp import compat, rclc
 from ilcp.rclc import hf
 from ilcp.rclc import budget as b
 

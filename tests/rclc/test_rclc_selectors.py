@@ -4,8 +4,7 @@ that scoring leaves the sender and the model as they were."""
 import pytest
 import torch
 
-from ilcp import rclc
-from ilcp import compat
+from ilcp import compat, rclc
 from ilcp.rclc import hf, selectors
 
 BUILTINS = [selectors.cacheback, selectors.qsnap, selectors.chunkkv]

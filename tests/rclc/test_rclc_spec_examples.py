@@ -8,8 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from ilcp import rclc
-from ilcp import compat
+from ilcp import compat, rclc
 
 
 @pytest.fixture
@@ -42,7 +41,7 @@ def test_lower_level_hugging_face_helpers(tiny_lm, sender_messages, receiver_his
     output = model.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     sender = sender_from_hf(model, tokenizer, generation=output)  # After model.generate
     assert sender.positions == output.sequences.shape[1]
-    exact_ids, cache = output.sequences, compat.output_cache_or_none(output)
+    exact_ids, cache = output.sequences, compat.output_cache(output)
     before = compat.cache_length(cache)
     sender = sender_from_hf(model, tokenizer, exact_ids, past_key_values=cache)
     assert sender.positions == exact_ids.shape[1] and compat.cache_length(cache) == before
@@ -105,7 +104,7 @@ def test_low_level_sender_state_and_receiver_continuation(tiny_lm, story):
     sender_input_rows = sender_model.get_input_embeddings()(ids)[0].detach()
     with torch.no_grad():
         out = sender_model(inputs_embeds=sender_input_rows.unsqueeze(0), use_cache=True)
-    sender_cache = compat.output_cache_or_none(out)
+    sender_cache = compat.output_cache(out)
     receiver_inbox = []
     from ilcp.rclc import SenderState, transfer
 
@@ -135,7 +134,7 @@ def test_low_level_sender_state_and_receiver_continuation(tiny_lm, story):
     assert delivery.request == "Find the owner and launch date."
 
     # On a receiver: prefill the handoff into a SenderState and reason over it.
-    receiver_state = rclc.SenderState(model=receiver_model, past_key_values=compat.output_cache_or_none(received),
+    receiver_state = rclc.SenderState(model=receiver_model, past_key_values=compat.output_cache(received),
                                       input_embeds=inputs["inputs_embeds"][0], tokenizer=sender_tokenizer)
     reasoned = asyncio.run(rclc.latent_mass(receiver_state, steps=4, request=delivery.request))
     assert reasoned.positions == positions + 4 and reasoned.latent_steps == 4

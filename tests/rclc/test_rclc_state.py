@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from ilcp import rclc
-from ilcp import compat
+from ilcp import compat, rclc
 
 
 def _keys(cache):

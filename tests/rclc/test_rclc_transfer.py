@@ -182,7 +182,7 @@ def test_cancellation_waits_for_the_worker_and_delivers_nothing(sender):
 def test_caller_cache_and_sender_rows_unchanged(model, tokenizer):
     ids = tokenizer("Cedar is owned by Alice. Birch was launched in 1994.", return_tensors="pt").input_ids
     with torch.no_grad():
-        cache = compat.output_cache_or_none(model(input_ids=ids, use_cache=True))
+        cache = compat.output_cache(model(input_ids=ids, use_cache=True))
     keys = [layer.keys.clone() for layer in cache.layers]
     sender = rclc.sender_from_hf(model, tokenizer, ids, past_key_values=cache)
     rows = sender.input_embeds.clone()
