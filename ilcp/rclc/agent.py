@@ -399,24 +399,27 @@ class Agent:
         ids = self._backend.content_ids(content)
         self._busy = "append()"
         try:
-            state = await run_in_worker(self._appended_state, ids, lock=False)
+            state, history = await run_in_worker(self._appended_state, ids, lock=False)
         finally:
             self._busy = None
+        if history is not None:
+            self._history = history
         self._explicit = state
 
-    def _appended_state(self, ids: torch.Tensor) -> SenderState:
+    def _appended_state(self, ids: torch.Tensor) -> tuple[SenderState, tuple[torch.Tensor, SenderState] | None]:
+        """The extended state and, when the history was prefilled for it, the new history cache entry."""
         if self._explicit is None and not self.messages:
             self._check_fits(int(ids.shape[1]))
             with MODEL_LOCK:
-                return self._backend.source_state(ids)
+                return self._backend.source_state(ids), None
         if self._explicit is not None:
             current = self._explicit.positions
         else:
             current = int(self._history_ids().shape[1])
         self._check_fits(current + int(ids.shape[1]))
-        base, _ = self._prepare_state()
+        base, history = self._prepare_state()
         with MODEL_LOCK:
-            return self._backend.extend(base, ids)
+            return self._backend.extend(base, ids), history
 
     # ---------------------------------------------------------------------------------------
     # snapshots

@@ -148,7 +148,13 @@ def test_explicit_state_stays_current_until_append_or_update(model, tokenizer, h
     history.append({"role": "assistant", "content": "ok"})
     assert agent.sender_state() is explicit  # history changes do not touch explicit state
     agent.update()  # back to the history
-    assert agent.sender_state().positions == rclc.sender_from_hf(model, tokenizer, history).positions
+    from_history = rclc.sender_from_hf(model, tokenizer, history).positions
+    assert agent.sender_state().positions == from_history
+    asyncio.run(agent.append(" Tool: ok"))  # appending to the history makes explicit state
+    appended = agent.sender_state()
+    assert appended.positions > from_history and agent._explicit is appended
+    history.append({"role": "user", "content": "more"})
+    assert agent.sender_state() is appended
 
 
 def test_lists_mix_agents_and_sender_states(model, tokenizer, history_x, history_y, sender):
