@@ -1,0 +1,289 @@
+"""Statistics and the written report of an evaluation: results.json, results.md and the plots.
+
+- `bootstrap_interval`: a seeded percentile bootstrap of a mean (accuracies are means of 0/1).
+- `latency_summary`: p50 / p99 / mean of per-request seconds.
+- `write_report`: results.json (the dict `evaluate` returns), results.md (a table per task,
+  the context-length table, the facts-count table), and the PNG plots (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..io import atomic_write_json, atomic_write_text
+
+__all__ = [
+    "bootstrap_interval",
+    "latency_summary",
+    "markdown_report",
+    "plot_accuracy_vs_bytes",
+    "plot_accuracy_vs_facts",
+    "plot_ttft_vs_length",
+    "write_report",
+]
+
+PLOT_ACCURACY = "accuracy_vs_payload_bytes.png"
+PLOT_TTFT = "ttft_vs_context_length.png"
+PLOT_FACTS = "accuracy_vs_num_facts.png"
+
+
+def bootstrap_interval(values: Sequence[float], *, resamples: int = 1000, level: float = 0.95,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean of ``values`` (seeded, so reproducible).
+
+    Returns:
+        (low, high), or None for no values.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(means, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def latency_summary(seconds: Sequence[float]) -> dict:
+    """{"n", "p50", "p99", "mean"} in seconds (None when no request was timed).
+
+    With few requests p99 is close to the slowest one; ``n`` says how many there were.
+    """
+    x = np.asarray(seconds, dtype=np.float64)
+    if x.size == 0:
+        return {"n": 0, "p50": None, "p99": None, "mean": None}
+    return {"n": int(x.size), "p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
+            "mean": float(x.mean())}
+
+
+# --------------------------------------------------------------------------------------------
+# markdown
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _ci(point, ci) -> str:
+    if point is None:
+        return "-"
+    if not ci:
+        return _pct(point)
+    return f"{_pct(point)} [{_pct(ci[0])}, {_pct(ci[1])}]"
+
+
+def _ms(summary: dict | None, key: str) -> str:
+    if not summary or summary.get(key) is None:
+        return "-"
+    return f"{1000 * summary[key]:.1f}"
+
+
+def _bytes(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def _method_table(methods: dict) -> list[str]:
+    lines = [
+        "| method | n | exact match % [95% CI] | contains % [95% CI] | F1 % | wire bytes | tensor bytes "
+        "| prefill positions | sender ms p50 / p99 | receiver TTFT ms p50 / p99 | handoff ms p50 / p99 | timed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in methods.items():
+        lat = m.get("latency", {})
+        lines.append(
+            f"| {name} | {m['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+            f"| {_ci(m['contains'], m['contains_ci'])} | {_pct(m['f1'])} "
+            f"| {_bytes(m['wire_bytes'])} | {_bytes(m['tensor_bytes'])} | {m['prefill_positions']:.1f} "
+            f"| {_ms(lat.get('sender_s'), 'p50')} / {_ms(lat.get('sender_s'), 'p99')} "
+            f"| {_ms(lat.get('receiver_ttft_s'), 'p50')} / {_ms(lat.get('receiver_ttft_s'), 'p99')} "
+            f"| {_ms(lat.get('handoff_s'), 'p50')} / {_ms(lat.get('handoff_s'), 'p99')} "
+            f"| {lat.get('n', 0)} |"
+        )
+    return lines
+
+
+def markdown_report(results: dict) -> str:
+    """The human-readable report of an `evaluate` result."""
+    s = results["settings"]
+    limit = s["limit"] if s["limit"] else "none (whole split)"
+    out = [
+        f"# Handoff evaluation: {results['run']['path']}",
+        "",
+        f"LM `{results['run']['lm_spec']}` (fingerprint {results['run']['fingerprint']}), trained on "
+        f"`{results['run']['train_task']}`. Limit per task: {limit}; latency: the first {s['latency_n']} "
+        f"rows of each task, one request at a time; batch size {s['batch_size']}; greedy, "
+        f"{s['max_new_tokens']} new tokens at most; {s['bootstrap_resamples']} bootstrap resamples "
+        f"(seed {s['seed']}).",
+        "",
+        "Exact match and contains are on the normalised first line of the answer; intervals are 95% "
+        "percentile-bootstrap intervals over questions. Wire bytes: what crosses the handoff per "
+        "request (ILCP: `len(payload.to_bytes())`; text methods: the context's utf-8 bytes). Receiver "
+        "TTFT: from the received message to the first answer token (parsing, projection, prompt "
+        "embedding and prefill). Handoff: sender time + receiver TTFT.",
+        "",
+    ]
+    for task, t in results["tasks"].items():
+        seen = "seen in training" if t["seen_in_training"] else "held out (not seen in training)"
+        out += [f"## {task} ({seen})", "",
+                f"{t['source']}; n = {t['n']} of {t['available']} questions (limit {t['limit'] or 'none'}).", ""]
+        out += _method_table(t["methods"]) + [""]
+    sweep = results.get("context_length")
+    if sweep and sweep.get("rows"):
+        out += ["## Receiver time to first token against context length (facts task)", "",
+                "| method | target tokens | context tokens (mean) | prefill positions | n | receiver TTFT ms p50 / p99 "
+                "| sender ms p50 |",
+                "|---|---|---|---|---|---|---|"]
+        for r in sweep["rows"]:
+            out.append(f"| {r['method']} | {r['target_tokens']} | {r['context_tokens']:.0f} | {r['prefill_positions']:.0f} "
+                       f"| {r['receiver_ttft_s']['n']} | {_ms(r['receiver_ttft_s'], 'p50')} / "
+                       f"{_ms(r['receiver_ttft_s'], 'p99')} | {_ms(r['sender_s'], 'p50')} |")
+        out.append("")
+    facts = results.get("facts_count")
+    if facts and facts.get("rows"):
+        out += ["## Accuracy against the number of facts in the context (facts task)", "",
+                "| method | facts | n | exact match % [95% CI] | contains % [95% CI] |", "|---|---|---|---|---|"]
+        for r in facts["rows"]:
+            out.append(f"| {r['method']} | {r['n_facts']} | {r['n']} | {_ci(r['exact_match'], r['exact_match_ci'])} "
+                       f"| {_ci(r['contains'], r['contains_ci'])} |")
+        out.append("")
+    if results.get("skipped"):
+        out += ["## Skipped methods", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()] + [""]
+    if results.get("plots"):
+        out += ["## Plots", ""] + [f"- {p}" for p in results["plots"]] + [""]
+    out.append(f"Evaluation time: {results['seconds']:.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy_vs_bytes(results: dict, path: Path) -> Path:
+    """Exact match (with 95% intervals) against wire bytes per request, log x, one panel per
+    task; methods that send nothing are horizontal dashed lines."""
+    plt = _pyplot()
+    tasks = list(results["tasks"].items())
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, (task, t) in zip(axes[0], tasks):
+        positive = [m["wire_bytes"] for m in t["methods"].values() if m["wire_bytes"] > 0]
+        for i, (name, m) in enumerate(t["methods"].items()):
+            colour = f"C{i % 10}"
+            em, ci = m["exact_match"], m["exact_match_ci"] or (m["exact_match"], m["exact_match"])
+            if m["wire_bytes"] > 0:
+                ax.errorbar([m["wire_bytes"]], [em], yerr=[[em - ci[0]], [ci[1] - em]], fmt="o", color=colour,
+                            capsize=3, label=f"{name} ({m['wire_bytes']:,.0f} B)")
+            else:
+                ax.axhline(em, linestyle="--", color=colour, label=f"{name} (0 B)")
+        ax.set_xscale("log")
+        if positive:
+            ax.set_xlim(min(positive) / 3, max(positive) * 3)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("payload bytes on the wire per request (log)")
+        ax.set_ylabel("exact match")
+        ax.set_title(f"{task} (n={t['n']})" + ("" if t["seen_in_training"] else ", held out"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_vs_length(sweep: dict, path: Path) -> Path:
+    """Receiver time to first token (p50, with the p99 as a bar top) against context tokens."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    methods = list(dict.fromkeys(r["method"] for r in sweep["rows"]))
+    for i, name in enumerate(methods):
+        rows = sorted((r for r in sweep["rows"] if r["method"] == name), key=lambda r: r["context_tokens"])
+        x = [r["context_tokens"] for r in rows]
+        p50 = [1000 * r["receiver_ttft_s"]["p50"] for r in rows]
+        p99 = [1000 * r["receiver_ttft_s"]["p99"] for r in rows]
+        ax.errorbar(x, p50, yerr=[[0] * len(x), [b - a for a, b in zip(p50, p99)]], marker="o", capsize=3,
+                    color=f"C{i % 10}", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens (facts task)")
+    ax.set_ylabel("receiver time to first token, ms (p50; bar to p99)")
+    ax.set_title("Receiver cold start against context length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_vs_facts(sweep: dict, path: Path) -> Path:
+    """Exact match (with 95% intervals) against the number of facts in the context."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    methods = list(dict.fromkeys(r["method"] for r in sweep["rows"]))
+    for i, name in enumerate(methods):
+        rows = sorted((r for r in sweep["rows"] if r["method"] == name), key=lambda r: r["n_facts"])
+        x = [r["n_facts"] for r in rows]
+        em = [r["exact_match"] for r in rows]
+        lo = [e - (r["exact_match_ci"] or (e, e))[0] for e, r in zip(em, rows)]
+        hi = [(r["exact_match_ci"] or (e, e))[1] - e for e, r in zip(em, rows)]
+        ax.errorbar(x, em, yerr=[lo, hi], marker="o", capsize=3, color=f"C{i % 10}", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("facts in the context")
+    ax.set_ylabel("exact match")
+    ax.set_title("Accuracy against the number of facts (facts task)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _finite(obj):
+    """JSON-safe copy: NaN and infinities become None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_report(results: dict, out_dir: str | Path) -> dict:
+    """Write the plots, results.md and results.json into ``out_dir`` (atomically each).
+
+    Fills ``results["plots"]`` with the PNG file names and returns ``results``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = []
+    if results["tasks"]:
+        plots.append(plot_accuracy_vs_bytes(results, out / PLOT_ACCURACY).name)
+    if results.get("context_length") and results["context_length"].get("rows"):
+        plots.append(plot_ttft_vs_length(results["context_length"], out / PLOT_TTFT).name)
+    if results.get("facts_count") and results["facts_count"].get("rows"):
+        plots.append(plot_accuracy_vs_facts(results["facts_count"], out / PLOT_FACTS).name)
+    results["plots"] = plots
+    atomic_write_text(out / "results.md", markdown_report(results))
+    atomic_write_json(out / "results.json", _finite(results))
+    return results

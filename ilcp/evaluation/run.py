@@ -1,0 +1,438 @@
+"""`evaluate`: every method of the protocol on the run's task (and held-out tasks), with latency.
+
+    from ilcp.evaluation.run import evaluate
+    results = evaluate("checkpoints/default", tasks=["babi:2"], limit=200, out="results/default")
+
+For each task (the run's training task, test split, plus the ``tasks`` given) and each method:
+1. accuracy, batched: the method builds the receiver prefixes of every row, one greedy decoder
+   answers them; exact match and contains on the normalised first line, token F1, 95% bootstrap
+   intervals of the two accuracies, payload bytes on the wire and prefill positions;
+2. latency, per request and unbatched, on the first ``latency_n`` rows (after one untimed
+   warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
+   `receive` plus the prefill of `decode_one`), and the handoff time, their sum.
+Then the receiver's time to first token against context length on the facts task (no_context,
+cold_read, ilcp), and, for a run trained on the facts task, accuracy against the number of facts
+in the context (ilcp, prompt_tuned, cold_read_tuned). The result dict is written as
+results.json, results.md and PNG plots when ``out`` is given (`ilcp.evaluation.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from ..decoding import decode_one, greedy_decode
+from ..export import check_fingerprint, read_config, read_export
+from ..handoff import ILCPHandoff
+from ..lm import LM, load_lm
+from ..tasks import babi_file, count_tokens, facts_for_length, load_babi, make_facts
+from .methods import DEFAULT_METHODS, EvalContext, HandoffMethod, MethodUnavailable, make_method
+from .metrics import contains_answer, exact_match, token_f1
+from ..io import atomic_write_text
+from .report import bootstrap_interval, latency_summary, write_report
+
+__all__ = ["DEFAULT_LIMIT", "TaskSpec", "evaluate", "parse_task", "time_request"]
+
+DEFAULT_LIMIT = 200
+DEFAULT_LATENCY_N = 20
+DEFAULT_LENGTHS = (64, 256, 1024, 2048)
+DEFAULT_FACTS_COUNTS = (1, 2, 4, 8, 16)
+LENGTH_METHODS = ("no_context", "cold_read", "ilcp")
+FACTS_COUNT_METHODS = ("ilcp", "prompt_tuned", "cold_read_tuned")
+FACTS_TEST_SIZE = 1000  # questions in the facts task's test split (bAbI en test files hold 1,000)
+CHUNK = 64  # rows whose prefixes are built and decoded together (bounds memory)
+
+_BABI = re.compile(r"babi[-:_]?(?:qa)?(\d+)\Z", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task to evaluate: ``name`` as reported ("babi:N" or "facts") and how to load it."""
+
+    name: str
+    babi_number: int | None = None
+
+    @property
+    def is_facts(self) -> bool:
+        return self.babi_number is None
+
+
+def parse_task(name: str) -> TaskSpec:
+    """"babi:N" (also "babi-qaN", "qaN") or "facts"; ValueError for anything else, or for a bAbI
+    task without an ``en`` test file."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"task must be a non-empty string, got {name!r}")
+    text = name.strip()
+    if text == "facts":
+        return TaskSpec("facts")
+    match = _BABI.match(text) or re.fullmatch(r"qa(\d+)", text, re.IGNORECASE)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number) or 'facts'")
+    number = int(match.group(1))
+    try:
+        babi_file(number, "test", variant="en")
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"task {name!r}: {e}") from None
+    return TaskSpec(f"babi:{number}", number)
+
+
+def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict) -> tuple[list[dict], int, str]:
+    """(rows, questions available, a description of the source) for a task's test split."""
+    if spec.is_facts:
+        n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
+        rows = make_facts(n, split="test", **facts_settings).to_list()
+        desc = (f"facts test split ({facts_settings['n_facts']} facts, {facts_settings['n_distractors']} "
+                f"distractors, seed {facts_settings['seed']})")
+        return rows, FACTS_TEST_SIZE, desc
+    rows = load_babi(spec.babi_number, "test", variant="en").to_list()
+    available = len(rows)
+    desc = f"bAbI en test file {babi_file(spec.babi_number, 'test', variant='en').name}"
+    return (rows if limit is None else rows[:limit]), available, desc
+
+
+def _facts_settings(ckpt: Path) -> dict:
+    """The facts task's settings the run trained with (train_config.yaml), else the defaults."""
+    settings = {"n_facts": 4, "n_distractors": 0, "seed": 0}
+    path = ckpt / "train_config.yaml"
+    if path.is_file():
+        data = (yaml.safe_load(path.read_text()) or {}).get("data", {})
+        settings.update(n_facts=int(data.get("facts_n_facts", 4)), n_distractors=int(data.get("facts_n_distractors", 0)),
+                        seed=int(data.get("seed", 0)))
+    return settings
+
+
+# --------------------------------------------------------------------------------------------
+# one request, timed
+
+
+@dataclass(frozen=True)
+class TimedRequest:
+    """Seconds of one handoff request: sender, receiver to first token, receiver to the full answer."""
+
+    sender_s: float
+    receiver_ttft_s: float
+    receiver_total_s: float
+    prefill_positions: int
+    wire_bytes: int
+    text: str
+
+    @property
+    def handoff_s(self) -> float:
+        return self.sender_s + self.receiver_ttft_s
+
+
+def time_request(method: HandoffMethod, row: dict, *, max_new_tokens: int = 8) -> TimedRequest:
+    """Run one request unbatched: ``send`` (sender), then ``receive`` and `decode_one` (receiver)."""
+    lm = method.lm
+    t0 = time.perf_counter()
+    sent = method.send(row)
+    t1 = time.perf_counter()
+    prefix = method.receive(sent, row)
+    t2 = time.perf_counter()
+    result = decode_one(lm.model, lm.tokenizer, prefix, max_new_tokens=max_new_tokens, stop_at_newline=True)
+    return TimedRequest(sender_s=t1 - t0, receiver_ttft_s=(t2 - t1) + result.prefill_s,
+                        receiver_total_s=(t2 - t1) + result.total_s, prefill_positions=result.prefill_positions,
+                        wire_bytes=sent.wire_bytes, text=result.text)
+
+
+def _latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, progress: bool, desc: str) -> dict:
+    if not rows:
+        return {"n": 0, **{k: latency_summary([]) for k in ("sender_s", "receiver_ttft_s", "receiver_total_s", "handoff_s")}}
+    time_request(method, rows[0], max_new_tokens=max_new_tokens)  # warm-up: allocations, kernels
+    timed = [time_request(method, r, max_new_tokens=max_new_tokens)
+             for r in tqdm(rows, desc=desc, disable=not progress, leave=False)]
+    return {
+        "n": len(timed),
+        "sender_s": latency_summary([t.sender_s for t in timed]),
+        "receiver_ttft_s": latency_summary([t.receiver_ttft_s for t in timed]),
+        "receiver_total_s": latency_summary([t.receiver_total_s for t in timed]),
+        "handoff_s": latency_summary([t.handoff_s for t in timed]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# accuracy, batched
+
+
+def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
+              resamples: int, seed: int, progress: bool, desc: str) -> tuple[dict, list[str]]:
+    lm = method.lm
+    predictions: list[str] = []
+    wire, tensor, positions = [], [], []
+    chunks = range(0, len(rows), CHUNK)
+    for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
+        chunk = rows[start:start + CHUNK]
+        built = method.build_prefixes(chunk)
+        predictions += greedy_decode(lm.model, lm.tokenizer, built.prefixes, max_new_tokens=max_new_tokens,
+                                     batch_size=batch_size, stop_at_newline=True)
+        wire += built.wire_bytes
+        tensor += built.tensor_bytes
+        positions += [int(p.shape[0]) for p in built.prefixes]
+    answers = [r["answer"] for r in rows]
+    em = [float(exact_match(p, a)) for p, a in zip(predictions, answers)]
+    contains = [float(contains_answer(p, a)) for p, a in zip(predictions, answers)]
+    f1 = token_f1(predictions, answers) if rows else []
+
+    def mean(x):
+        return sum(x) / len(x) if x else None
+
+    return {
+        "n": len(rows),
+        "exact_match": mean(em),
+        "exact_match_ci": bootstrap_interval(em, resamples=resamples, seed=seed),
+        "contains": mean(contains),
+        "contains_ci": bootstrap_interval(contains, resamples=resamples, seed=seed),
+        "f1": mean(f1),
+        "wire_bytes": mean(wire) if wire else 0.0,
+        "tensor_bytes": mean(tensor) if tensor else 0.0,
+        "prefill_positions": mean(positions) if positions else 0.0,
+    }, predictions
+
+
+# --------------------------------------------------------------------------------------------
+# the evaluation
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError("no methods given")
+    methods = [make_method(n) for n in dict.fromkeys(n.strip() for n in names)]
+    return methods
+
+
+def _resolve_tasks(train_task: str, extra: Sequence[str]) -> list[TaskSpec]:
+    if isinstance(extra, str):
+        extra = [t for t in extra.split(",") if t.strip()]
+    specs = [parse_task(train_task)] + [parse_task(t) for t in extra]
+    return list({s.name: s for s in specs}.values())
+
+
+def evaluate(
+    ckpt: str | os.PathLike,
+    *,
+    tasks: Sequence[str] = (),
+    methods: Sequence[str] = DEFAULT_METHODS,
+    limit: int | None = DEFAULT_LIMIT,
+    latency_n: int = DEFAULT_LATENCY_N,
+    batch_size: int = 8,
+    max_new_tokens: int = 8,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    length_n: int = 3,
+    facts_counts: Sequence[int] = DEFAULT_FACTS_COUNTS,
+    facts_count_limit: int = 50,
+    bootstrap_resamples: int = 1000,
+    seed: int = 0,
+    out: str | os.PathLike | None = None,
+    lm: LM | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluate the methods of a trained run; returns the results dict (and writes it to ``out``).
+
+    Args:
+        ckpt: the run directory (``checkpoints/RUN``).
+        tasks: tasks besides the run's own training task ("babi:N", "facts"), reported separately
+            and marked held out unless they are the training task.
+        methods: method names (`ilcp.evaluation.methods.make_method`); those whose weights the run
+            lacks are skipped with a note in ``results["skipped"]``.
+        limit: questions per task (the first ones of the test split); None or 0 for all.
+        latency_n: requests timed per method and task (unbatched; 0 skips latency).
+        batch_size: greedy-decoding batch size of the accuracy pass.
+        max_new_tokens: answer token budget.
+        lengths: target context lengths in tokens for the time-to-first-token sweep (empty: none).
+        length_n: requests per length and method in that sweep.
+        facts_counts: numbers of facts for the accuracy sweep of a facts-trained run (empty: none).
+        facts_count_limit: questions per number of facts in that sweep.
+        bootstrap_resamples, seed: the bootstrap of the accuracy intervals.
+        out: directory for results.json, results.md and the plots; None writes nothing.
+        lm: the run's LM already loaded (else loaded from config.json's spec).
+        device: where a loaded LM runs (default: CUDA when available, else the CPU).
+        progress: show tqdm progress bars.
+        log: called with progress lines (eval.py passes ``print``); None is silent.
+
+    Raises:
+        ExportError: ``ckpt`` is not a finished run, or ``lm`` is another LM than the run's.
+        ValueError: an unknown method or task, or a bad number.
+    """
+    say = log or (lambda message: None)
+    t_start = time.perf_counter()
+    # Everything that can be checked without the LM is checked first.
+    limit = None if limit in (None, 0) else _check_int("limit", limit, 1)
+    for name, value, low in (("latency_n", latency_n, 0), ("batch_size", batch_size, 1),
+                             ("max_new_tokens", max_new_tokens, 1), ("length_n", length_n, 1),
+                             ("facts_count_limit", facts_count_limit, 1), ("bootstrap_resamples", bootstrap_resamples, 1),
+                             ("seed", seed, 0)):
+        _check_int(name, value, low)
+    lengths = [_check_int("lengths", v, 1) for v in lengths]
+    facts_counts = [_check_int("facts_counts", v, 1) for v in facts_counts]
+    ckpt = Path(ckpt)
+    config = read_config(ckpt)
+    chosen = _resolve_methods(methods)
+    task_specs = _resolve_tasks(config["task"], tasks)
+    train_task = task_specs[0].name
+    files = config.get("files", {})
+    skipped: dict[str, str] = {}
+    runnable = []
+    for m in chosen:
+        missing = [r for r in m.requires if r not in files]
+        if missing:
+            skipped[m.name] = f"the run has no {', '.join(missing)} weights (trained variants: {sorted(files)})"
+            say(f"skipping {m.name}: {skipped[m.name]}")
+        else:
+            runnable.append(m)
+
+    # The LM and the run's modules.
+    if lm is None:
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        say(f"loading LM {config['lm']['spec']!r} ({config['lm'].get('dtype', 'float32')}, {dev})")
+        lm = load_lm(config["lm"]["spec"], dtype=config["lm"].get("dtype", "float32"), device=dev)
+    check_fingerprint(config, lm.fingerprint)
+    run = read_export(ckpt)
+    handoff = ILCPHandoff(lm, run.compressor, run.projector, run.config) if run.compressor is not None else None
+    pool_batch = int(config.get("pooling", {}).get("batch_size", 16))
+    ctx = EvalContext(lm=lm, run=run, handoff=handoff, pool_batch_size=pool_batch)
+    bound = []
+    for m in runnable:
+        try:
+            m.bind(ctx)
+            bound.append(m)
+        except MethodUnavailable as e:
+            skipped[m.name] = str(e)
+            say(f"skipping {m.name}: {e}")
+
+    facts_settings = _facts_settings(ckpt)
+    results: dict = {
+        "run": {"path": str(ckpt), "lm_spec": config["lm"]["spec"], "fingerprint": lm.fingerprint,
+                "train_task": train_task, "latent_dim": config.get("latent_dim"),
+                "num_memory_tokens": config.get("num_memory_tokens")},
+        "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+                     "bootstrap_resamples": bootstrap_resamples, "seed": seed, "methods": [m.name for m in chosen],
+                     "tasks": [s.name for s in task_specs], "device": str(lm.device)},
+        "tasks": {},
+        "skipped": skipped,
+    }
+    predictions: dict[str, tuple[list[dict], dict[str, list[str]]]] = {}
+
+    for spec in task_specs:
+        rows, available, source = _task_rows(spec, limit, facts_settings)
+        seen = spec.name == train_task
+        say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
+            f"questions, {len(bound)} methods")
+        task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
+                       "limit": limit, "methods": {}}
+        predictions[spec.name] = (rows, {})
+        for m in bound:
+            t0 = time.perf_counter()
+            metrics, preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                       resamples=bootstrap_resamples, seed=seed, progress=progress,
+                                       desc=f"{spec.name} {m.name} accuracy")
+            t1 = time.perf_counter()
+            metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
+            metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
+            task_result["methods"][m.name] = metrics
+            predictions[spec.name][1][m.name] = preds
+            say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
+                f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
+                f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
+                f"{metrics['seconds']['latency']:.0f}s latency)")
+        results["tasks"][spec.name] = task_result
+
+    results["context_length"] = _length_sweep(
+        [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
+    if config["task"] == "facts" and facts_counts:
+        results["facts_count"] = _facts_count_sweep(
+            [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
+            batch_size, max_new_tokens, bootstrap_resamples, seed, progress, say)
+    else:
+        results["facts_count"] = None
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    if out is not None:
+        write_report(results, out)
+        _write_predictions(Path(out), predictions)
+    return results
+
+
+def _fmt(point, ci) -> str:
+    if point is None:
+        return "-"
+    return f"{100 * point:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else f"{100 * point:.1f}%"
+
+
+def _length_sweep(methods: list[HandoffMethod], lm: LM, lengths: Sequence[int], n: int, max_new_tokens: int,
+                  seed: int, progress: bool, say) -> dict | None:
+    """Receiver time to first token on facts contexts of about each target length."""
+    if not methods or not lengths:
+        return None
+    say(f"context-length sweep: {', '.join(m.name for m in methods)} at {list(lengths)} tokens, {n} requests each")
+    rows_out = []
+    warmed = set()
+    for target in lengths:
+        settings = facts_for_length(target, lm.tokenizer)
+        rows = make_facts(n, split="test", seed=seed, **settings).to_list()
+        tokens = sum(count_tokens(r["context"], lm.tokenizer) for r in rows) / len(rows)
+        for m in methods:
+            if m.name not in warmed:
+                time_request(m, rows[0], max_new_tokens=max_new_tokens)
+                warmed.add(m.name)
+            timed = [time_request(m, r, max_new_tokens=max_new_tokens)
+                     for r in tqdm(rows, desc=f"length {target} {m.name}", disable=not progress, leave=False)]
+            rows_out.append({
+                "method": m.name, "target_tokens": target, "context_tokens": tokens, **settings,
+                "prefill_positions": sum(t.prefill_positions for t in timed) / len(timed),
+                "wire_bytes": sum(t.wire_bytes for t in timed) / len(timed),
+                "sender_s": latency_summary([t.sender_s for t in timed]),
+                "receiver_ttft_s": latency_summary([t.receiver_ttft_s for t in timed]),
+                "handoff_s": latency_summary([t.handoff_s for t in timed]),
+            })
+        say(f"  ~{tokens:.0f} tokens: " + ", ".join(
+            f"{r['method']} TTFT {1000 * r['receiver_ttft_s']['p50']:.0f} ms" for r in rows_out if r["target_tokens"] == target))
+    return {"targets": list(lengths), "requests_per_point": n, "rows": rows_out}
+
+
+def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: int, settings: dict,
+                       batch_size: int, max_new_tokens: int, resamples: int, seed: int, progress: bool, say) -> dict | None:
+    """Accuracy on facts contexts with 1, 2, 4, ... facts (the run's distractor count)."""
+    if not methods:
+        return None
+    say(f"facts-count sweep: {', '.join(m.name for m in methods)} at {list(counts)} facts, {n} questions each")
+    rows_out = []
+    for count in counts:
+        rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
+                          split="test").to_list()
+        for m in methods:
+            metrics, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, resamples=resamples,
+                                   seed=seed, progress=progress, desc=f"{count} facts {m.name}")
+            rows_out.append({"method": m.name, "n_facts": count, "n_distractors": settings["n_distractors"],
+                             **{k: metrics[k] for k in ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1")}})
+        say(f"  {count} facts: " + ", ".join(
+            f"{r['method']} {100 * r['exact_match']:.0f}%" for r in rows_out if r["n_facts"] == count))
+    return {"counts": list(counts), "questions_per_point": n, "rows": rows_out}
+
+
+def _write_predictions(out: Path, predictions: dict) -> None:
+    """predictions.jsonl: one line per task, method and question (for reading the answers)."""
+    lines = []
+    for task, (rows, by_method) in predictions.items():
+        for method, preds in by_method.items():
+            for row, p in zip(rows, preds):
+                lines.append(json.dumps({"task": task, "method": method, "id": row["id"], "question": row["question"],
+                                         "answer": row["answer"], "prediction": p}))
+    atomic_write_text(out / "predictions.jsonl", "\n".join(lines) + ("\n" if lines else ""))

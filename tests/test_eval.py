@@ -1,0 +1,203 @@
+"""eval.py and ilcp.evaluation on a tiny trained run: outputs, metrics, skipped methods, errors,
+the method registry, and the bootstrap."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from ilcp.config import load_config
+from ilcp.evaluation import run as eval_run
+from ilcp.evaluation.methods import (
+    DEFAULT_METHODS,
+    ColdRead,
+    HandoffMethod,
+    Sent,
+    make_method,
+    register_method,
+)
+from ilcp.evaluation.methods import _FAMILIES
+from ilcp.evaluation.report import bootstrap_interval, latency_summary
+from ilcp.evaluation.run import evaluate
+from ilcp.export import ExportError
+from ilcp.training import train
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+sys.path.insert(0, str(REPO))  # eval.py lives at the repository root
+import eval as eval_script  # noqa: E402
+
+METRICS = ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1", "wire_bytes", "tensor_bytes",
+           "prefill_positions", "latency")
+LATENCY = ("sender_s", "receiver_ttft_s", "receiver_total_s", "handoff_s")
+FAST = {"max_new_tokens": 2, "batch_size": 4, "length_n": 1}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("eval-run")
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
+    return train(cfg, lm=tiny_lm).run_dir
+
+
+@pytest.fixture(scope="module")
+def main_out(run_dir, tmp_path_factory):
+    """eval.py's main, in-process, on the tiny run with a held-out task."""
+    out = tmp_path_factory.mktemp("eval-out")
+    code = eval_script.main(["--ckpt", str(run_dir), "--tasks", "babi:2", "--limit", "5", "--latency-n", "2",
+                             "--lengths", "16,160", "--length-n", "1", "--max-new-tokens", "2", "--batch-size", "4",
+                             "--out", str(out), "--no-progress"])
+    assert code == 0
+    return out
+
+
+def test_eval_writes_results_markdown_and_plots(main_out, capsys):
+    for name in ("results.json", "results.md", "predictions.jsonl", "accuracy_vs_payload_bytes.png",
+                 "ttft_vs_context_length.png"):
+        assert (main_out / name).is_file(), name
+    for png in main_out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((main_out / "results.json").read_text())
+    assert set(results["tasks"]) == {"babi:1", "babi:2"}
+    assert results["tasks"]["babi:1"]["seen_in_training"] is True
+    assert results["tasks"]["babi:2"]["seen_in_training"] is False
+    assert results["settings"]["limit"] == 5
+    markdown = (main_out / "results.md").read_text()
+    assert "## babi:2 (held out" in markdown and "limit 5" in markdown
+    lines = (main_out / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 5 * len(DEFAULT_METHODS)
+    assert {"task", "method", "id", "question", "answer", "prediction"} <= set(json.loads(lines[0]))
+
+
+def test_every_method_row_holds_every_metric(main_out):
+    results = json.loads((main_out / "results.json").read_text())
+    assert results["skipped"] == {}
+    for task, t in results["tasks"].items():
+        assert t["n"] == 5 and t["available"] == 1000
+        assert set(t["methods"]) == set(DEFAULT_METHODS)  # results.json sorts keys
+        for name, m in t["methods"].items():
+            assert set(METRICS) <= set(m), (task, name)
+            for key in ("exact_match", "contains", "f1"):
+                assert 0.0 <= m[key] <= 1.0
+            for key in ("exact_match", "contains"):
+                low, high = m[f"{key}_ci"]
+                assert low <= m[key] <= high, (task, name, key)
+            assert m["prefill_positions"] > 0
+            assert m["latency"]["n"] == 2
+            for key in LATENCY:
+                s = m["latency"][key]
+                assert s["n"] == 2 and 0.0 <= s["p50"] <= s["p99"], (task, name, key)
+    methods = results["tasks"]["babi:1"]["methods"]
+    assert methods["no_context"]["wire_bytes"] == methods["prompt_tuned"]["wire_bytes"] == 0
+    assert methods["cold_read"]["wire_bytes"] == methods["cold_read_tuned"]["wire_bytes"] > 0
+    assert methods["ilcp"]["tensor_bytes"] == 4 * results["run"]["latent_dim"]
+    assert methods["ilcp"]["wire_bytes"] > methods["ilcp"]["tensor_bytes"]
+    assert methods["cold_read"]["prefill_positions"] > methods["no_context"]["prefill_positions"]
+    sweep = results["context_length"]
+    assert {r["method"] for r in sweep["rows"]} == {"no_context", "cold_read", "ilcp"}
+    tokens = {r["target_tokens"]: r["context_tokens"] for r in sweep["rows"]}
+    assert tokens[160] > tokens[16]
+    assert results["facts_count"] is None  # the run was trained on bAbI
+
+
+def test_missing_weights_are_skipped_with_a_note(run_dir, tiny_lm, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
+    config = json.loads((partial / "config.json").read_text())
+    del config["files"]["ilcp"], config["files"]["cold_read_tuned"]
+    (partial / "config.json").write_text(json.dumps(config))
+    notes = []
+    results = evaluate(partial, limit=2, latency_n=0, lengths=(), lm=tiny_lm, log=notes.append, **FAST)
+    assert set(results["skipped"]) == {"ilcp", "cold_read_tuned"}
+    assert any("skipping ilcp" in n for n in notes)
+    assert list(results["tasks"]["babi:1"]["methods"]) == ["no_context", "prompt_tuned", "cold_read"]
+    assert results["context_length"] is None
+
+
+def test_facts_run_reports_accuracy_against_the_number_of_facts(run_dir, tiny_lm, tmp_path):
+    facts_run = tmp_path / "facts"
+    shutil.copytree(run_dir, facts_run, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
+    config = json.loads((facts_run / "config.json").read_text())
+    config["task"] = "facts"  # the modules do not depend on the task; the report does
+    (facts_run / "config.json").write_text(json.dumps(config))
+    results = evaluate(facts_run, limit=2, latency_n=1, lengths=(), facts_counts=(1, 2), facts_count_limit=2,
+                       out=tmp_path / "out", lm=tiny_lm, **FAST)
+    assert list(results["tasks"]) == ["facts"]
+    rows = results["facts_count"]["rows"]
+    assert {(r["method"], r["n_facts"]) for r in rows} == {
+        (m, n) for m in ("ilcp", "prompt_tuned", "cold_read_tuned") for n in (1, 2)}
+    assert all(r["n"] == 2 for r in rows)
+    assert (tmp_path / "out" / "accuracy_vs_num_facts.png").is_file()
+
+
+class Head(HandoffMethod):
+    """A registered family for the test: the first N words of the context, as text."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.words = int(name.split(":")[1])
+        self.text = ColdRead("cold_read")
+
+    def bind(self, ctx):
+        super().bind(ctx)
+        self.text.bind(ctx)
+
+    def send(self, row):
+        data = " ".join(row["context"].split()[: self.words]).encode()
+        return Sent(message=data, wire_bytes=len(data))
+
+    def receive(self, sent, row):
+        return self.text.receive(sent, row)
+
+
+def test_a_registered_method_family_runs_in_the_same_loop(run_dir, tiny_lm, monkeypatch):
+    monkeypatch.setitem(_FAMILIES, "head", None)  # restored after the test
+    register_method("head", Head, family=True, replace=True)
+    assert make_method("head:3").words == 3
+    results = evaluate(run_dir, methods=["no_context", "head:3"], limit=3, latency_n=1, lengths=(), lm=tiny_lm, **FAST)
+    head = results["tasks"]["babi:1"]["methods"]["head:3"]
+    assert 0 < head["wire_bytes"] < 40 and head["latency"]["n"] == 1
+
+
+def test_bad_arguments_are_clear_errors(run_dir, tmp_path, monkeypatch, capsys):
+    def no_lm(*args, **kwargs):
+        raise AssertionError("bad arguments must be refused before the LM loads")
+
+    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    with pytest.raises(ExportError, match="not a directory"):
+        evaluate(tmp_path / "missing")
+    with pytest.raises(ValueError, match="unknown method 'telepathy'"):
+        evaluate(run_dir, methods=["ilcp", "telepathy"])
+    with pytest.raises(ValueError, match="unknown task 'squad'"):
+        evaluate(run_dir, tasks=["squad"])
+    with pytest.raises(ValueError, match="babi:4"):  # no such file in the vendored bAbI tasks
+        evaluate(run_dir, tasks=["babi:4"])
+    with pytest.raises(ValueError, match="limit"):
+        evaluate(run_dir, limit=-3)
+
+    cases = [
+        (["--ckpt", str(tmp_path / "missing")], "is not a directory"),
+        (["--ckpt", str(run_dir), "--methods", "telepathy"], "unknown method 'telepathy'"),
+        (["--ckpt", str(run_dir), "--tasks", "babi:99"], "babi:99"),
+        (["--ckpt", str(run_dir), "--lengths", "a,b"], "comma-separated integers"),
+        (["--ckpt", str(tmp_path)], "no config.json"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            eval_script.main(argv + ["--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, argv
+
+
+def test_bootstrap_interval_is_seeded_and_contains_the_mean():
+    values = [1.0] * 30 + [0.0] * 70
+    low, high = bootstrap_interval(values, resamples=1000, seed=0)
+    assert low < 0.3 < high and 0.1 < high - low < 0.25  # about +-9 pp at n = 100
+    assert bootstrap_interval(values, resamples=1000, seed=0) == (low, high)
+    assert bootstrap_interval([], resamples=10) is None
+    assert bootstrap_interval([1.0, 1.0]) == (1.0, 1.0)
+    summary = latency_summary([0.1, 0.2, 0.3, 10.0])
+    assert summary["n"] == 4 and summary["p50"] == pytest.approx(0.25) and summary["p99"] > 9.0
