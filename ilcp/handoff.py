@@ -2,13 +2,15 @@
 
     from ilcp.handoff import ILCPHandoff
 
-    # agent A (sender)
-    sender = ILCPHandoff.from_pretrained("checkpoints/default")       # loads the run's LM
-    wire = sender.send("John went to the garden. Mary moved to the hall.").to_bytes()  # ~170 bytes
+    # agent A (sender): loads the LM named in the run's config.json
+    sender = ILCPHandoff.from_pretrained("checkpoints/default")
+    wire = sender.send("Mary moved to the hallway. John went to the garden.").to_bytes()  # 163 bytes
 
-    # agent B (receiver), another process with the same LM
-    receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=model, tokenizer=tok)
-    receiver.receive(wire, "Where is John?")                        # -> "garden"
+    # agent B (receiver), in another process, with its own copy of the same LM
+    from ilcp.lm import load_lm
+    lm = load_lm()                          # or lm=model, tokenizer=tok for a Hugging Face model
+    receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=lm)
+    receiver.receive(wire, "Where is John?")                        # the answer, e.g. "garden"
 
 `send` pools the context with the frozen LM exactly as training did (masked mean of the
 configured layers over the context's last ``max_length`` tokens), encodes z = mu with the

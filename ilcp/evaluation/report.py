@@ -147,6 +147,9 @@ def markdown_report(results: dict) -> str:
             out.append(f"| {r['method']} | {r['target_tokens']} | {r['context_tokens']:.0f} | {r['prefill_positions']:.0f} "
                        f"| {r['receiver_ttft_s']['n']} | {_ms(r['receiver_ttft_s'], 'p50')} / "
                        f"{_ms(r['receiver_ttft_s'], 'p99')} | {_ms(r['sender_s'], 'p50')} |")
+        if sweep.get("ilcp_pooled_max_length"):
+            out.append(f"\nThe ilcp sender pools at most the last {sweep['ilcp_pooled_max_length']} tokens of a context "
+                       "(the run's pooling setting); the receiver's prefix does not grow with the context.")
         out.append("")
     facts = results.get("facts_count")
     if facts and facts.get("rows"):
@@ -181,21 +184,30 @@ def plot_accuracy_vs_bytes(results: dict, path: Path) -> Path:
     """Exact match (with 95% intervals) against wire bytes per request, log x, one panel per
     task; methods that send nothing are horizontal dashed lines."""
     plt = _pyplot()
+    from matplotlib import ticker
+
     tasks = list(results["tasks"].items())
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
     for ax, (task, t) in zip(axes[0], tasks):
         positive = [m["wire_bytes"] for m in t["methods"].values() if m["wire_bytes"] > 0]
+        placed: dict[float, int] = {}
         for i, (name, m) in enumerate(t["methods"].items()):
             colour = f"C{i % 10}"
             em, ci = m["exact_match"], m["exact_match_ci"] or (m["exact_match"], m["exact_match"])
             if m["wire_bytes"] > 0:
-                ax.errorbar([m["wire_bytes"]], [em], yerr=[[em - ci[0]], [ci[1] - em]], fmt="o", color=colour,
-                            capsize=3, label=f"{name} ({m['wire_bytes']:,.0f} B)")
+                # Methods sending the same bytes (cold_read, cold_read_tuned) sit side by side.
+                shift = placed.get(m["wire_bytes"], 0)
+                placed[m["wire_bytes"]] = shift + 1
+                ax.errorbar([m["wire_bytes"] * 1.04 ** shift], [em], yerr=[[em - ci[0]], [ci[1] - em]], fmt="o",
+                            color=colour, capsize=3, label=f"{name} ({m['wire_bytes']:,.0f} B)")
             else:
                 ax.axhline(em, linestyle="--", color=colour, label=f"{name} (0 B)")
         ax.set_xscale("log")
-        if positive:
-            ax.set_xlim(min(positive) / 3, max(positive) * 3)
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        if positive:  # at least a decade, so the log axis has labelled ticks
+            ax.set_xlim(min(positive) / 4, max(positive) * 4)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("payload bytes on the wire per request (log)")
         ax.set_ylabel("exact match")

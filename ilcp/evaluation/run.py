@@ -172,8 +172,14 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
         chunk = rows[start:start + CHUNK]
         built = method.build_prefixes(chunk)
-        predictions += greedy_decode(lm.model, lm.tokenizer, built.prefixes, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size, stop_at_newline=True)
+        # Batches of similar lengths pad less; answers do not depend on the batching.
+        order = sorted(range(len(chunk)), key=lambda i: built.prefixes[i].shape[0])
+        answers = greedy_decode(lm.model, lm.tokenizer, [built.prefixes[i] for i in order],
+                                max_new_tokens=max_new_tokens, batch_size=batch_size, stop_at_newline=True)
+        in_order = [""] * len(chunk)
+        for i, answer in zip(order, answers):
+            in_order[i] = answer
+        predictions += in_order
         wire += built.wire_bytes
         tensor += built.tensor_bytes
         positions += [int(p.shape[0]) for p in built.prefixes]
@@ -304,11 +310,11 @@ def evaluate(
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         say(f"loading LM {config['lm']['spec']!r} ({config['lm'].get('dtype', 'float32')}, {dev})")
         lm = load_lm(config["lm"]["spec"], dtype=config["lm"].get("dtype", "float32"), device=dev)
-    check_fingerprint(config, lm.fingerprint)
+    fingerprint = lm.fingerprint
+    check_fingerprint(config, fingerprint)
     run = read_export(ckpt)
     handoff = ILCPHandoff(lm, run.compressor, run.projector, run.config) if run.compressor is not None else None
-    pool_batch = int(config.get("pooling", {}).get("batch_size", 16))
-    ctx = EvalContext(lm=lm, run=run, handoff=handoff, pool_batch_size=pool_batch)
+    ctx = EvalContext(lm=lm, run=run, handoff=handoff)
     bound = []
     for m in runnable:
         try:
@@ -320,7 +326,7 @@ def evaluate(
 
     facts_settings = _facts_settings(ckpt)
     results: dict = {
-        "run": {"path": str(ckpt), "lm_spec": config["lm"]["spec"], "fingerprint": lm.fingerprint,
+        "run": {"path": str(ckpt), "lm_spec": config["lm"]["spec"], "fingerprint": fingerprint,
                 "train_task": train_task, "latent_dim": config.get("latent_dim"),
                 "num_memory_tokens": config.get("num_memory_tokens")},
         "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
@@ -357,6 +363,8 @@ def evaluate(
 
     results["context_length"] = _length_sweep(
         [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
+    if results["context_length"] is not None:
+        results["context_length"]["ilcp_pooled_max_length"] = handoff.max_length if handoff is not None else None
     if config["task"] == "facts" and facts_counts:
         results["facts_count"] = _facts_count_sweep(
             [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
