@@ -92,16 +92,16 @@ def _bytes(x) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
-def _method_table(methods: dict) -> list[str]:
+def _method_table(methods: dict, limit) -> list[str]:
     lines = [
-        "| method | n | exact match % [95% CI] | contains % [95% CI] | F1 % | wire bytes | tensor bytes "
+        "| method | n (limit) | exact match % [95% CI] | contains % [95% CI] | F1 % | wire bytes | tensor bytes "
         "| prefill positions | sender ms p50 / p99 | receiver TTFT ms p50 / p99 | handoff ms p50 / p99 | timed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         lat = m.get("latency", {})
         lines.append(
-            f"| {name} | {m['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+            f"| {name} | {m['n']} ({limit or 'all'}) | {_ci(m['exact_match'], m['exact_match_ci'])} "
             f"| {_ci(m['contains'], m['contains_ci'])} | {_pct(m['f1'])} "
             f"| {_bytes(m['wire_bytes'])} | {_bytes(m['tensor_bytes'])} | {m['prefill_positions']:.1f} "
             f"| {_ms(lat.get('sender_s'), 'p50')} / {_ms(lat.get('sender_s'), 'p99')} "
@@ -136,7 +136,7 @@ def markdown_report(results: dict) -> str:
         seen = "seen in training" if t["seen_in_training"] else "held out (not seen in training)"
         out += [f"## {task} ({seen})", "",
                 f"{t['source']}; n = {t['n']} of {t['available']} questions (limit {t['limit'] or 'none'}).", ""]
-        out += _method_table(t["methods"]) + [""]
+        out += _method_table(t["methods"], t["limit"]) + [""]
     sweep = results.get("context_length")
     if sweep and sweep.get("rows"):
         out += ["## Receiver time to first token against context length (facts task)", "",
