@@ -61,6 +61,8 @@ def export_run(cfg, lm, modules: dict, metrics: dict, pool_dim: int) -> Path:
         "pooling": {"kind": "masked_mean", "layers": list(d.pool_layers), "max_length": d.max_length},
         "normalisation": "model.safetensors: compressor.input_mean, compressor.input_std (train split)",
         "task": d.task,
+        "task_settings": {"babi_variant": d.babi_variant, "facts_n_facts": d.facts_n_facts,
+                          "facts_n_distractors": d.facts_n_distractors, "seed": d.seed},
         "files": files,
         "train_config": "train_config.yaml",
         "metrics": "metrics.json",

@@ -21,6 +21,7 @@ fingerprint (see `lm_fingerprint`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -62,8 +63,9 @@ class LM:
     tokenizer: object
     spec: str
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
+        """Computed once per bundle; load a new model object rather than editing weights in place."""
         return lm_fingerprint(self.model, self.tokenizer)
 
     @property
