@@ -4,6 +4,9 @@
     python eval.py --ckpt checkpoints/default --tasks babi:2           # plus a held-out task, ~+6 min
     python eval.py --ckpt checkpoints/tiny --limit 8 --latency-n 2     # seconds, tiny test LM
     python eval.py --ckpt checkpoints/default --limit 0                # every test question
+    python eval.py --ckpt checkpoints/default --methods default,rclc-quick   # + 3 RCLC rows, ~+7 min a task
+    python eval.py --ckpt checkpoints/default --methods default,rclc   # + the 12 RCLC rows, ~+28 min a task
+    python eval.py --ckpt checkpoints/default --methods cold_read,rclc:qsnap:b8,rclc:chunkkv:r8:tuned
 
 The run's training task (test split) is always evaluated; --tasks adds others, reported
 separately and marked held out. By default 200 questions per task (95% intervals of about
@@ -11,6 +14,16 @@ separately and marked held out. By default 200 questions per task (95% intervals
 and 20 timed requests per method: with SmolLM2 on 2 CPU cores, about 6 minutes per task plus
 1.5 for the context-length sweep, so the training task and one held-out task fit in 15. Writes results.json, results.md, predictions.jsonl and PNG
 plots into --out (default results/RUN) and prints the tables.
+
+RCLC rows (`ilcp.evaluation.rclc_methods`) are named rclc:SELECTOR:rN (relative budget, ceil(T/N)
+of the sender's T rows) or rclc:SELECTOR:bN (at most N rows), SELECTOR one of cacheback, qsnap,
+chunkkv; the rows sit where the context text would (r1 gives the cold read's prefix), or with
+:prefix before the question prompt (the RCLC spec's placement), or with :tuned after
+cold_read_tuned's K vectors. Groups: default (no_context, prompt_tuned, cold_read, cold_read_tuned,
+ilcp: what runs when --methods is not given), rclc-quick (cacheback r1, r4 and r4:tuned), rclc
+(cacheback r1; cacheback, qsnap and chunkkv at r4, r16 and b16; cacheback r4:prefix and r4:tuned).
+An RCLC row costs about 1.5 cold_read rows (the sender's prefill and selection run per question):
+about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread.
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ilcp.evaluation.methods import DEFAULT_METHODS, method_names
+from ilcp.evaluation.methods import DEFAULT_METHODS, method_groups, method_names
 from ilcp.evaluation.report import markdown_report
 from ilcp.evaluation.run import DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, evaluate
 
@@ -41,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", type=_csv, default=[],
                         help="extra tasks, comma-separated: babi:N or facts (the training task is always included)")
     parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
-                        help=f"methods, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
-                             f"{', '.join(method_names())})")
+                        help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
+                             f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
+                             f"[:prefix|:tuned]; groups: {', '.join(method_groups())})")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                         help=f"questions per task, the first of the test split (default {DEFAULT_LIMIT}; 0 = all)")
     parser.add_argument("--latency-n", type=int, default=DEFAULT_LATENCY_N,

@@ -10,15 +10,18 @@ embedding space, which one greedy decoder answers. Each method has two paths:
 - `HandoffMethod.send(row)` then `HandoffMethod.receive(sent, row)`: one request, sender side
   and receiver side apart, so latency can time each.
 
-Built-in methods: ``no_context``, ``prompt_tuned``, ``cold_read``, ``cold_read_tuned``, ``ilcp``.
-Other families register a factory for a name prefix, so names such as ``rclc:cacheback:r4`` need
-no change to the evaluation loop:
+Built-in methods: ``no_context``, ``prompt_tuned``, ``cold_read``, ``cold_read_tuned``, ``ilcp``,
+and the ``rclc:...`` family (`ilcp.evaluation.rclc_methods`). Other families register a factory
+for a name prefix, so their names need no change to the evaluation loop:
 
     from ilcp.evaluation.methods import HandoffMethod, register_method
 
     class MyMethod(HandoffMethod):
         ...
     register_method("mine", lambda name: MyMethod(name), family=True)   # "mine:<anything>"
+
+Groups name lists of methods (``default``: `DEFAULT_METHODS`; ``rclc`` and ``rclc-quick``: RCLC
+rows); `expand_method_names` replaces them by their members.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ __all__ = [
     "MethodUnavailable",
     "Prefixes",
     "Sent",
+    "expand_method_names",
     "make_method",
+    "method_groups",
     "method_names",
+    "register_group",
     "register_method",
 ]
 
@@ -298,5 +304,41 @@ def make_method(name: str) -> HandoffMethod:
     raise ValueError(f"unknown method {name!r}; known: {', '.join(method_names())}")
 
 
+_GROUPS: dict[str, tuple[str, ...]] = {}
+
+
+def register_group(name: str, names: Sequence[str], *, replace: bool = False) -> None:
+    """Make ``name`` stand for a list of method names in `expand_method_names`.
+
+    Raises:
+        ValueError: a name with ':' or already taken (without ``replace``), or an empty list.
+    """
+    if not isinstance(name, str) or not name or ":" in name or name in _EXACT:
+        raise ValueError(f"group name must be a non-empty string without ':' and not a method name, got {name!r}")
+    if name in _GROUPS and not replace:
+        raise ValueError(f"group {name!r} is already registered (pass replace=True to replace it)")
+    if isinstance(names, str) or not names:
+        raise ValueError(f"group {name!r} needs a non-empty list of method names")
+    _GROUPS[name] = tuple(names)
+
+
+def method_groups() -> dict[str, tuple[str, ...]]:
+    """Registered groups and their method names."""
+    return dict(_GROUPS)
+
+
+def expand_method_names(names: Sequence[str]) -> list[str]:
+    """Method names with every group replaced by its members, first occurrence kept, in order."""
+    out: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"method name must be a non-empty string, got {name!r}")
+        out += _GROUPS.get(name.strip(), (name.strip(),))
+    return list(dict.fromkeys(out))
+
+
 for _cls in (NoContext, PromptTuned, ColdRead, ColdReadTuned, ILCP):
     register_method(_cls.name, lambda name, cls=_cls: cls(name))
+register_group("default", DEFAULT_METHODS)
+
+from . import rclc_methods  # noqa: E402,F401  (registers the rclc:... family and its groups)

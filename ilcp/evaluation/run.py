@@ -35,7 +35,8 @@ from ..export import check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
 from ..tasks import babi_file, count_tokens, facts_for_length, load_babi, make_facts
-from .methods import DEFAULT_METHODS, EvalContext, HandoffMethod, MethodUnavailable, make_method
+from .methods import (DEFAULT_METHODS, EvalContext, HandoffMethod, MethodUnavailable, expand_method_names,
+                      make_method)
 from .metrics import contains_answer, exact_match, token_f1
 from ..io import atomic_write_text
 from .report import bootstrap_interval, latency_summary, write_report
@@ -219,7 +220,7 @@ def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
         names = [n for n in names.split(",") if n.strip()]
     if not names:
         raise ValueError("no methods given")
-    methods = [make_method(n) for n in dict.fromkeys(n.strip() for n in names)]
+    methods = [make_method(n) for n in expand_method_names(names)]
     return methods
 
 

@@ -1,0 +1,180 @@
+"""The RCLC rows of the protocol table: ``rclc:<selector>:r<N>`` and ``rclc:<selector>:b<N>``.
+
+    rclc:cacheback:r4          cacheback selection, relative budget ceil(T / 4), in-prompt rows
+    rclc:qsnap:b16             qsnap selection, at most 16 positions, in-prompt rows
+    rclc:cacheback:r4:prefix   the same rows before the receiver's rendered question prompt
+    rclc:chunkkv:r16:tuned     cold_read_tuned's K vectors, then the in-prompt rows
+
+Selectors: ``cacheback``, ``qsnap``, ``chunkkv`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
+the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budget
+``min(N, T)`` (`ilcp.rclc.budget`); N >= 1.
+
+Sender (timed as sender time): `ilcp.rclc.sender_from_hf` builds the sender's state from the
+context text (no special tokens; one prefill), then `ilcp.rclc.transfer_sync` selects rows for
+the question with the method's selector and budget and delivers them to a callback that keeps
+the `Delivery`. What crosses the handoff is the selected rows in the LM's dtype: wire bytes =
+tensor bytes = ``Delivery.nbytes`` (rows x hidden x element size; no framing is counted).
+
+Receiver: the delivered rows (n, H) placed in one of three ways, every text part from
+`ilcp.prompts`:
+
+- in-prompt (the default): where the context text sits in the cold-read prompt,
+  ``embed(before) + rows + embed(after)`` with ``before, after = context_slot_prompt(tok, question)``;
+- ``:prefix`` (the RCLC spec's placement): ``rows + embed(question_prompt(tok, question))``, the
+  rows before the receiver's rendered chat prompt;
+- ``:tuned``: ``cold_read_tuned``'s K trained vectors, then the in-prompt rows (the answer-format
+  help of the tuned text baseline; the method is skipped for a run without those weights).
+
+The slot boundary: a byte-level BPE tokenizer (GPT-2 style pre-tokenisation, as SmolLM2's and
+Qwen's) reads the space after ``"Context:"`` as the start of the context's first word, so the
+sender holds ``" " + context`` and the receiver's ``before`` drops that space. The sender's rows
+are then the context's tokens exactly as the cold-read prompt tokenises them, and with in-prompt
+placement ``r1`` (every row selected, whatever the selector) gives the cold read's prefix: the
+ratios measure selection alone.
+
+Groups for ``--methods`` (`ilcp.evaluation.methods.expand_method_names`): ``rclc`` is
+`RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .. import rclc
+from ..prompts import context_slot_prompt, question_prompt
+from .methods import EvalContext, HandoffMethod, MethodUnavailable, Sent, register_group, register_method
+
+__all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "SELECTORS", "parse_rclc_name"]
+
+FAMILY = "rclc"
+SELECTORS = {"cacheback": rclc.selectors.cacheback, "qsnap": rclc.selectors.qsnap, "chunkkv": rclc.selectors.chunkkv}
+OPTIONS = ("prefix", "tuned")
+TUNED_SOFT_PROMPT = "cold_read_tuned"
+
+# Every selector keeps every row at r1 (the budget holds the whole sender), so one r1 row
+# stands for all three: rclc:qsnap:r1 and rclc:chunkkv:r1 give the same prefixes. bAbI task 1
+# contexts hold about 39 SmolLM2 tokens (12 to 69 over the first 200 test questions), so b16
+# sits between r4 and r1 (b32 would keep every row of 80 of those 200 contexts).
+RCLC_METHODS = (
+    "rclc:cacheback:r1",
+    *(f"rclc:{s}:{b}" for s in ("cacheback", "qsnap", "chunkkv") for b in ("r4", "r16", "b16")),
+    "rclc:cacheback:r4:prefix",
+    "rclc:cacheback:r4:tuned",
+)
+RCLC_QUICK = ("rclc:cacheback:r1", "rclc:cacheback:r4", "rclc:cacheback:r4:tuned")
+
+_BUDGET = re.compile(r"([rb])([0-9]+)")
+_USAGE = "use rclc:<selector>:r<N> or rclc:<selector>:b<N>[:prefix|:tuned], e.g. rclc:cacheback:r4"
+
+
+@dataclass(frozen=True)
+class RCLCSpec:
+    """A parsed ``rclc:...`` name.
+
+    Attributes:
+        selector: "cacheback", "qsnap" or "chunkkv".
+        ratio: N of ``r<N>``, or None.
+        budget: N of ``b<N>``, or None (exactly one of ratio and budget is set).
+        placement: "in_prompt" (the default) or "prefix".
+        tuned: whether cold_read_tuned's K vectors come first.
+    """
+
+    selector: str
+    ratio: int | None
+    budget: int | None
+    placement: str = "in_prompt"
+    tuned: bool = False
+
+
+def parse_rclc_name(name: str) -> RCLCSpec:
+    """Parse ``rclc:<selector>:<r|b><N>[:prefix|:tuned]``.
+
+    Raises:
+        ValueError: another family, a missing or unknown selector, a missing or malformed budget,
+            N < 1, an unknown or repeated option, or ``:prefix`` with ``:tuned``.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"method name must be a string, got {name!r}")
+    parts = name.strip().split(":")
+    if parts[0] != FAMILY:
+        raise ValueError(f"{name!r} is not an rclc method name: {_USAGE}")
+    if len(parts) < 2 or not parts[1]:
+        raise ValueError(f"{name!r}: missing selector ({', '.join(sorted(SELECTORS))}); {_USAGE}")
+    selector = parts[1]
+    if selector not in SELECTORS:
+        raise ValueError(f"{name!r}: unknown selector {selector!r}; known: {', '.join(sorted(SELECTORS))}")
+    if len(parts) < 3 or not parts[2]:
+        raise ValueError(f"{name!r}: missing budget (r<N>: relative, ceil(T / N) rows; b<N>: at most N rows); {_USAGE}")
+    match = _BUDGET.fullmatch(parts[2])
+    if match is None:
+        raise ValueError(f"{name!r}: budget {parts[2]!r} is neither r<N> (relative) nor b<N> (bounded); {_USAGE}")
+    value = int(match.group(2))
+    if value < 1:
+        raise ValueError(f"{name!r}: budget {parts[2]!r} must have N >= 1")
+    options = parts[3:]
+    for option in options:
+        if option not in OPTIONS:
+            raise ValueError(f"{name!r}: unknown option {option!r}; options: {', '.join(':' + o for o in OPTIONS)}")
+    if len(set(options)) != len(options):
+        raise ValueError(f"{name!r}: an option is repeated")
+    if "prefix" in options and "tuned" in options:
+        raise ValueError(f"{name!r}: ':tuned' places the rows in the prompt (the layout cold_read_tuned was trained "
+                         "with); it does not combine with ':prefix'")
+    kind = match.group(1)
+    return RCLCSpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None,
+                    placement="prefix" if "prefix" in options else "in_prompt", tuned="tuned" in options)
+
+
+class RCLCMethod(HandoffMethod):
+    """One RCLC row: selected sender rows at a budget, placed in the prompt or before it.
+
+    ``send`` returns a `Sent` whose message is the `ilcp.rclc.Delivery` (rows, not bytes);
+    ``receive`` returns the (L, H) prefix described in the module docstring.
+    """
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.spec = parse_rclc_name(name)
+        self.selector = SELECTORS[self.spec.selector]
+        self.requires = (TUNED_SOFT_PROMPT,) if self.spec.tuned else ()
+        self._lead = ""
+
+    def bind(self, ctx: EvalContext) -> None:
+        super().bind(ctx)
+        if self.spec.tuned and TUNED_SOFT_PROMPT not in ctx.run.soft_prompts:
+            raise MethodUnavailable(f"{self.name}: the run has no {TUNED_SOFT_PROMPT} weights")
+        before, _ = context_slot_prompt(ctx.lm.tokenizer, "?")
+        self._lead = " " if before.endswith(" ") else ""
+
+    def sender_text(self, context: str) -> str:
+        """The text the sender's state is built from: the context as the cold-read prompt holds it."""
+        return self._lead + context.strip()
+
+    def send(self, row: dict) -> Sent:
+        lm = self.lm
+        state = rclc.sender_from_hf(lm.model, lm.tokenizer, self.sender_text(row["context"]))
+        deliveries: list[rclc.Delivery] = []
+        rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
+                           budget=self.spec.budget, selector=self.selector)
+        delivery = deliveries[0]
+        return Sent(message=delivery, wire_bytes=delivery.nbytes, tensor_bytes=delivery.nbytes)
+
+    def receive(self, sent: Sent, row: dict) -> Tensor:
+        lm = self.lm
+        rows = sent.message.rows(lm.model.get_input_embeddings().weight)
+        if self.spec.placement == "prefix":
+            parts = [rows, question_prompt(lm.tokenizer, row["question"])]
+        else:
+            before, after = context_slot_prompt(lm.tokenizer, row["question"])
+            parts = [before[: len(before) - len(self._lead)], rows, after]
+        if self.spec.tuned:
+            parts.insert(0, self.ctx.run.soft_prompts[TUNED_SOFT_PROMPT])
+        return self._prefix(parts)
+
+
+register_method(FAMILY, RCLCMethod, family=True)
+register_group("rclc", RCLC_METHODS)
+register_group("rclc-quick", RCLC_QUICK)

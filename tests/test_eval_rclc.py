@@ -1,0 +1,201 @@
+"""The rclc:... rows of eval.py on a tiny trained run: names, payload bytes, placement, budgets,
+the cold-read equivalence at r1, the end-to-end report and the skipped :tuned row."""
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ilcp.config import load_config
+from ilcp.decoding import assemble_prefix, greedy_decode
+from ilcp.evaluation import run as eval_run
+from ilcp.evaluation.methods import EvalContext, expand_method_names, make_method, method_groups
+from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_name
+from ilcp.evaluation.run import evaluate
+from ilcp.export import read_export
+from ilcp.prompts import context_slot_prompt, question_prompt
+from ilcp.tasks import load_babi
+from ilcp.training import train
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+FAST = {"max_new_tokens": 3, "batch_size": 4, "lengths": ()}
+METRICS = ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1", "wire_bytes", "tensor_bytes",
+           "prefill_positions", "latency")
+
+
+def _load_eval_script():
+    spec = importlib.util.spec_from_file_location("eval_script_rclc", REPO / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("rclc-run")
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
+    return train(cfg, lm=tiny_lm).run_dir
+
+
+@pytest.fixture(scope="module")
+def ctx(run_dir, tiny_lm):
+    return EvalContext(lm=tiny_lm, run=read_export(run_dir))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return load_babi(1, "test", variant="en").to_list()[:6]
+
+
+def bound(name, ctx):
+    method = make_method(name)
+    method.bind(ctx)
+    return method
+
+
+def test_names_parse_and_bad_names_are_clear_errors():
+    spec = parse_rclc_name("rclc:cacheback:r4")
+    assert (spec.selector, spec.ratio, spec.budget, spec.placement, spec.tuned) == ("cacheback", 4, None, "in_prompt", False)
+    spec = parse_rclc_name("rclc:chunkkv:b32:prefix")
+    assert (spec.selector, spec.ratio, spec.budget, spec.placement) == ("chunkkv", None, 32, "prefix")
+    method = make_method(" rclc:qsnap:r16:tuned ")
+    assert method.name == "rclc:qsnap:r16:tuned" and method.spec.tuned and method.requires == ("cold_read_tuned",)
+    assert make_method("rclc:cacheback:r4").requires == ()
+    for bad, message in [
+        ("rclc:telepathy:r4", "unknown selector 'telepathy'"),
+        ("rclc:cacheback:r0", "N >= 1"),
+        ("rclc:qsnap:b0", "N >= 1"),
+        ("rclc:cacheback", "missing budget"),
+        ("rclc:", "missing selector"),
+        ("rclc:cacheback:4", "neither r<N>"),
+        ("rclc:cacheback:r4:sideways", "unknown option 'sideways'"),
+        ("rclc:cacheback:r4:prefix:tuned", "does not combine"),
+        ("rclc:cacheback:r4:tuned:tuned", "repeated"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_method(bad)
+
+
+def test_groups_expand_in_order_without_duplicates():
+    groups = method_groups()
+    assert groups["rclc"] == RCLC_METHODS and groups["rclc-quick"] == RCLC_QUICK
+    names = expand_method_names(["default", "rclc", "rclc:cacheback:r4", "cold_read"])
+    assert names[:5] == list(groups["default"]) and names[5:] == list(RCLC_METHODS)
+    for name in RCLC_METHODS:
+        make_method(name)  # every member parses
+    assert {"rclc:cacheback:r4:prefix", "rclc:cacheback:r4:tuned"} <= set(RCLC_METHODS)
+
+
+def test_payload_bytes_are_rows_times_hidden_times_element_size(ctx, rows):
+    tok, hidden = ctx.lm.tokenizer, ctx.lm.hidden_size
+    for name, size in [("rclc:cacheback:r4", lambda t: math.ceil(t / 4)), ("rclc:qsnap:b8", lambda t: min(8, t))]:
+        method = bound(name, ctx)
+        for row in rows[:3]:
+            sent = method.send(row)
+            tokens = len(tok(method.sender_text(row["context"]), add_special_tokens=False)["input_ids"])
+            n = sent.message.positions
+            assert n == size(tokens), (name, tokens)
+            element = sent.message.messages[0].rows.element_size()
+            assert element == torch.finfo(ctx.lm.dtype).bits // 8
+            assert sent.wire_bytes == sent.tensor_bytes == n * hidden * element
+
+
+def test_r1_in_prompt_is_the_cold_read(ctx, rows):
+    """Every row selected, in the context slot: the cold read's prefix, token for token, so the
+    same answers (only the row bytes on the wire differ)."""
+    cold, full = bound("cold_read", ctx), bound("rclc:cacheback:r1", ctx)
+    embedding = ctx.lm.model.get_input_embeddings()
+    cold_prefixes = cold.build_prefixes(rows).prefixes
+    r1 = full.build_prefixes(rows)
+    for row, a, b in zip(rows, cold_prefixes, r1.prefixes):
+        assert torch.equal(a, b)
+        ids = ctx.lm.tokenizer(full.sender_text(row["context"]), add_special_tokens=False)["input_ids"]
+        sent = full.send(row)
+        assert torch.equal(sent.message.rows(embedding.weight), embedding(torch.tensor(ids)))
+    model, tok = ctx.lm.model, ctx.lm.tokenizer
+    assert greedy_decode(model, tok, cold_prefixes, max_new_tokens=4) == greedy_decode(model, tok, r1.prefixes, max_new_tokens=4)
+    for other in ("rclc:qsnap:r1", "rclc:chunkkv:r1"):  # r1 keeps everything whatever the selector
+        assert all(torch.equal(a, b) for a, b in zip(cold_prefixes, bound(other, ctx).build_prefixes(rows).prefixes))
+
+
+def test_smaller_budgets_prefill_fewer_positions(ctx, rows):
+    tok = ctx.lm.tokenizer
+    lengths = {name: [int(p.shape[0]) for p in bound(name, ctx).build_prefixes(rows).prefixes]
+               for name in ("rclc:cacheback:r1", "rclc:cacheback:r4", "rclc:cacheback:r16", "rclc:chunkkv:b4")}
+    for i, row in enumerate(rows):
+        r1, r4, r16, b4 = (lengths[n][i] for n in lengths)
+        assert r16 <= r4 < r1, row["context"]
+        before, after = context_slot_prompt(tok, row["question"])
+        prompt = len(tok(before.rstrip(" "), add_special_tokens=False)["input_ids"]) + len(
+            tok(after, add_special_tokens=False)["input_ids"])
+        assert b4 == prompt + 4
+
+
+def test_prefix_placement_and_tuned_vectors(ctx, rows):
+    row = rows[0]
+    prefix_method = bound("rclc:cacheback:r4:prefix", ctx)
+    sent = prefix_method.send(row)
+    rows_in = sent.message.rows(ctx.lm.model.get_input_embeddings().weight)
+    expected = assemble_prefix(ctx.lm.model, ctx.lm.tokenizer, [rows_in, question_prompt(ctx.lm.tokenizer, row["question"])])
+    assert torch.equal(prefix_method.receive(sent, row), expected)
+    soft = ctx.run.soft_prompts["cold_read_tuned"]
+    tuned, plain = bound("rclc:cacheback:r4:tuned", ctx), bound("rclc:cacheback:r4", ctx)
+    sent = plain.send(row)
+    with_soft, without = tuned.receive(sent, row), plain.receive(sent, row)
+    assert torch.equal(with_soft[: soft.shape[0]], soft) and torch.equal(with_soft[soft.shape[0]:], without)
+
+
+def test_eval_end_to_end_writes_rclc_rows_with_every_metric(run_dir, tiny_lm, tmp_path):
+    out = tmp_path / "out"
+    results = evaluate(run_dir, methods=["cold_read", "rclc:cacheback:r1", "rclc:qsnap:r4:tuned"], limit=4,
+                       latency_n=2, out=out, lm=tiny_lm, **FAST)
+    assert results["skipped"] == {}
+    methods = results["tasks"]["babi:1"]["methods"]
+    for name in ("rclc:cacheback:r1", "rclc:qsnap:r4:tuned"):
+        m = methods[name]
+        assert set(METRICS) <= set(m), name
+        assert m["n"] == 4 and m["wire_bytes"] == m["tensor_bytes"] > 0 and m["prefill_positions"] > 0
+        assert m["latency"]["n"] == 2 and 0.0 <= m["latency"]["sender_s"]["p50"] <= m["latency"]["sender_s"]["p99"]
+    assert methods["rclc:cacheback:r1"]["prefill_positions"] == methods["cold_read"]["prefill_positions"]
+    assert methods["rclc:qsnap:r4:tuned"]["wire_bytes"] < methods["rclc:cacheback:r1"]["wire_bytes"]
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    by_method = {}
+    for p in predictions:
+        by_method.setdefault(p["method"], []).append(p["prediction"])
+    assert by_method["rclc:cacheback:r1"] == by_method["cold_read"]
+    assert "| rclc:qsnap:r4:tuned |" in (out / "results.md").read_text()
+
+
+def test_tuned_without_cold_read_tuned_is_skipped(run_dir, tiny_lm, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
+    config = json.loads((partial / "config.json").read_text())
+    del config["files"]["cold_read_tuned"]
+    (partial / "config.json").write_text(json.dumps(config))
+    notes = []
+    results = evaluate(partial, methods=["rclc:cacheback:r4:tuned", "rclc:cacheback:r4"], limit=2, latency_n=0,
+                       lm=tiny_lm, log=notes.append, **FAST)
+    assert list(results["skipped"]) == ["rclc:cacheback:r4:tuned"]
+    assert "cold_read_tuned" in results["skipped"]["rclc:cacheback:r4:tuned"]
+    assert any("skipping rclc:cacheback:r4:tuned" in n for n in notes)
+    assert list(results["tasks"]["babi:1"]["methods"]) == ["rclc:cacheback:r4"]
+
+
+def test_bad_rclc_names_are_refused_before_the_lm_loads(run_dir, tmp_path, monkeypatch, capsys):
+    def no_lm(*args, **kwargs):
+        raise AssertionError("bad names must be refused before the LM loads")
+
+    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    with pytest.raises(ValueError, match="unknown selector 'snapkv'"):
+        evaluate(run_dir, methods=["rclc:snapkv:r4"])
+    eval_script = _load_eval_script()
+    with pytest.raises(SystemExit) as exit_info:
+        eval_script.main(["--ckpt", str(run_dir), "--methods", "default,rclc:cacheback", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "missing budget" in err and "Traceback" not in err
