@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -430,7 +431,10 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     last = _last_ckpt(stage_dir) if resume else None
     if last is not None:
         _say(f"stage 2 ({variant}): resuming from {last}")
-    trainer.fit(module, datamodule=data, ckpt_path=last)
+    with warnings.catch_warnings():
+        # The frozen LM is in eval mode on purpose (see HandoffModule.train).
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        trainer.fit(module, datamodule=data, ckpt_path=last)
     trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
     if trainer.global_step % min(h.val_every_steps, h.max_steps) != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
