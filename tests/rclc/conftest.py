@@ -54,3 +54,9 @@ def other_lm():
 
     model, tokenizer = build_tiny_qwen3(seed=1)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(params=["tiny-qwen3", pytest.param("smollm2-135m-instruct", marks=pytest.mark.slow)])
+def spec_lm(request):
+    """The LM the spec's examples run on: the tiny Qwen3, and the embedded SmolLM2 (slow)."""
+    return request.getfixturevalue("tiny_lm" if request.param == "tiny-qwen3" else "smollm2")

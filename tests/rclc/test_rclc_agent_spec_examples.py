@@ -1,5 +1,5 @@
 """The spec's bound-agent examples, run as written (``rclc.`` read as ``ilcp.rclc.``) on the tiny
-Qwen3: "Bind an existing agent", "Continue, append and resume", "Save and restore" and
+Qwen3 and on the embedded SmolLM2: "Bind an existing agent", "Continue, append and resume", "Save and restore" and
 "Inspect, check and view selection"."""
 
 import asyncio
@@ -9,6 +9,16 @@ import pytest
 import torch
 
 from ilcp import rclc
+
+
+@pytest.fixture
+def model(spec_lm):
+    return spec_lm.model
+
+
+@pytest.fixture
+def tokenizer(spec_lm):
+    return spec_lm.tokenizer
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The spec's lower-level examples, run as written (``rclc.`` read as ``ilcp.rclc.``) on the tiny
-Qwen3: "Lower-level Hugging Face helpers", "Relative and bounded budgets", "Reasoning",
+Qwen3 and on the embedded SmolLM2: "Lower-level Hugging Face helpers", "Relative and bounded budgets", "Reasoning",
 "Low-level sender state" and "Receiver continuation"."""
 
 import asyncio
@@ -21,8 +21,8 @@ def receiver_history():
     return [{"role": "system", "content": "Answer the question with one word."}]
 
 
-def test_lower_level_hugging_face_helpers(tiny_lm, sender_messages, receiver_history):
-    model, tokenizer = tiny_lm.model, tiny_lm.tokenizer
+def test_lower_level_hugging_face_helpers(spec_lm, sender_messages, receiver_history):
+    model, tokenizer = spec_lm.model, spec_lm.tokenizer
     from ilcp.rclc import HFReceiver, sender_from_hf, transfer
 
     async def main():
@@ -47,8 +47,8 @@ def test_lower_level_hugging_face_helpers(tiny_lm, sender_messages, receiver_his
     assert sender.positions == exact_ids.shape[1] and compat.cache_length(cache) == before
 
 
-def test_relative_and_bounded_budgets(tiny_lm, sender_messages, receiver_history):
-    model, tokenizer = tiny_lm.model, tiny_lm.tokenizer
+def test_relative_and_bounded_budgets(spec_lm, sender_messages, receiver_history):
+    model, tokenizer = spec_lm.model, spec_lm.tokenizer
     senders = [rclc.sender_from_hf(model, tokenizer, sender_messages),
                rclc.sender_from_hf(model, tokenizer, "Cedar is owned by Alice.")]
     inbox = []
@@ -72,8 +72,8 @@ def test_relative_and_bounded_budgets(tiny_lm, sender_messages, receiver_history
     ]
 
 
-def test_reasoning(tiny_lm, sender_messages, receiver_history):
-    model, tokenizer = tiny_lm.model, tiny_lm.tokenizer
+def test_reasoning(spec_lm, sender_messages, receiver_history):
+    model, tokenizer = spec_lm.model, spec_lm.tokenizer
     senders = [rclc.sender_from_hf(model, tokenizer, sender_messages)]
     inbox = []
     receivers = [inbox.append]
@@ -97,9 +97,9 @@ def test_reasoning(tiny_lm, sender_messages, receiver_history):
     assert rclc.latent_mass_sync(senders[0], steps=0) is senders[0]
 
 
-def test_low_level_sender_state_and_receiver_continuation(tiny_lm, story):
-    sender_model = receiver_model = tiny_lm.model
-    sender_tokenizer = tiny_lm.tokenizer
+def test_low_level_sender_state_and_receiver_continuation(spec_lm, story):
+    sender_model = receiver_model = spec_lm.model
+    sender_tokenizer = spec_lm.tokenizer
     ids = sender_tokenizer(story, return_tensors="pt").input_ids
     sender_input_rows = sender_model.get_input_embeddings()(ids)[0].detach()
     with torch.no_grad():
