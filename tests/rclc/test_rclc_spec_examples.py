@@ -128,7 +128,7 @@ def test_low_level_sender_state_and_receiver_continuation(spec_lm, story):
     prompt = delivery.for_vllm(matching_embedding_weight)  # {"prompt_embeds": cpu_rows}
 
     positions = rclc.budget.position_budget(ids.shape[1], ratio=4)
-    assert received.last_hidden_state.shape == (1, positions, 64)
+    assert received.last_hidden_state.shape == (1, positions, receiver_model.config.hidden_size)
     assert prompt["prompt_embeds"].device.type == "cpu"
     assert torch.equal(prompt["prompt_embeds"], inputs["inputs_embeds"][0])
     assert delivery.request == "Find the owner and launch date."
