@@ -20,6 +20,7 @@ import yaml
 from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")
+POOLINGS = ("mean", "attention")
 
 
 def _f(default, help: str, **kw):
@@ -76,11 +77,15 @@ class CompressorConfig:
     epochs: int = _f(30, "stage-1 epochs over the training pooled states")
     batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
+    pooling: str = _f("mean", "sender summary: 'mean' (masked mean, the spec) or 'attention' (learned queries)")
+    pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
 
     def __post_init__(self):
-        for name in ("latent_dim", "hidden_dim", "epochs", "batch_size"):
+        for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"compressor.pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
             raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
 
@@ -151,6 +156,9 @@ class TrainConfig:
             )
         if self.handoff.joint_kl_weight > 0 and not self.handoff.finetune_encoder:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
+        if self.compressor.pooling == "attention" and not self.handoff.finetune_encoder:
+            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true "
+                             "(the pooler's queries learn from the answer loss only)")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
             raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
 

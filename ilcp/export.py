@@ -3,6 +3,7 @@
     checkpoints/RUN/
       config.json                  sorted keys: sizes, beta, LM spec + fingerprint, pooling, files
       model.safetensors            ilcp: compressor.* (with its standardisation stats) + projector.*
+                                   (+ pooler.* when the run used attention pooling)
       prompt_tuned.safetensors     soft_prompt (K, H)
       cold_read_tuned.safetensors  soft_prompt (K, H)
       train_config.yaml            the resolved training config
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from . import __version__
 from .compressor import BetaVAE
+from .pooling import AttentionPooler
 from .io import atomic_save_safetensors, atomic_write_json
 from .projector import GatedLatentToMemoryProjector
 
@@ -58,7 +60,7 @@ def export_run(cfg, lm, modules: dict, metrics: dict, pool_dim: int) -> Path:
         "num_memory_tokens": h.num_memory_tokens,
         "compressor": {"input_dim": int(pool_dim), "hidden_dim": c.hidden_dim, "beta": c.beta},
         "projector": {"hidden": h.projector_hidden},
-        "pooling": {"kind": "masked_mean", "layers": list(d.pool_layers), "max_length": d.max_length},
+        "pooling": _pooling_config(cfg),
         "normalisation": "model.safetensors: compressor.input_mean, compressor.input_std (train split)",
         "task": d.task,
         "task_settings": {"babi_variant": d.babi_variant, "facts_n_facts": d.facts_n_facts,
@@ -71,6 +73,31 @@ def export_run(cfg, lm, modules: dict, metrics: dict, pool_dim: int) -> Path:
     return run_dir
 
 
+def _pooling_config(cfg) -> dict:
+    pooling = {"kind": "masked_mean", "layers": list(cfg.data.pool_layers), "max_length": cfg.data.max_length}
+    if cfg.compressor.pooling == "attention":
+        pooling.update(kind="attention", num_queries=cfg.compressor.pool_queries)
+    return pooling
+
+
+def build_pooler(config: dict, state: dict[str, Tensor] | None = None) -> AttentionPooler | None:
+    """The attention pooler an export's config names (weights from `state`), or None for the mean."""
+    pooling = config.get("pooling", {})
+    kind = pooling.get("kind", "masked_mean")
+    if kind == "masked_mean":
+        return None
+    if kind != "attention":
+        raise ExportError(f"unknown pooling kind {kind!r} in config.json (this package reads masked_mean, attention)")
+    dim = config["lm"]["hidden_size"] * len(pooling.get("layers", [-1]))
+    pooler = AttentionPooler(dim, int(pooling["num_queries"]))
+    if state is not None:
+        weights = {k[len("pooler."):]: v for k, v in state.items() if k.startswith("pooler.")}
+        if not weights:
+            raise ExportError("config.json names an attention pooler, but the weights hold no pooler.* tensors")
+        pooler.load_state_dict(weights)
+    return pooler.eval()
+
+
 @dataclass
 class ExportedRun:
     """The trained modules of one export, on the CPU in float32."""
@@ -79,6 +106,7 @@ class ExportedRun:
     config: dict
     compressor: BetaVAE | None = None
     projector: GatedLatentToMemoryProjector | None = None
+    pooler: AttentionPooler | None = None  # None: the masked mean
     soft_prompts: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -128,6 +156,7 @@ def read_export(path: str | Path) -> ExportedRun:
             )
             run.projector.load_state_dict({k[10:]: v for k, v in state.items() if k.startswith("projector.")})
             run.compressor.eval(), run.projector.eval()
+            run.pooler = build_pooler(config, state)
         else:
             run.soft_prompts[name] = state["soft_prompt"].float()
     return run

@@ -12,8 +12,9 @@
     receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=lm)
     receiver.receive(wire, "Where is John?")                        # the answer, e.g. "garden"
 
-`send` pools the context with the frozen LM exactly as training did (masked mean of the
-configured layers over the context's last ``max_length`` tokens), encodes z = mu with the
+`send` pools the context with the frozen LM exactly as training did (masked mean, or the run's
+trained attention pooler, over the configured layers of the context's last ``max_length``
+tokens), encodes z = mu with the
 beta-VAE and packs z with the LM fingerprint into a `TransportPayload`. A sender that already
 ran the LM over the context hands its outputs to `send_from_hidden_states` instead: no second
 forward. `receive` verifies the payload (bytes or object) against its own LM fingerprint,
@@ -40,7 +41,7 @@ from .decoding import assemble_prefix, greedy_decode
 from .export import ExportError, check_fingerprint, read_export
 from .io import atomic_save_safetensors, atomic_write_json
 from .lm import LM, load_lm
-from .pooling import pool_from_outputs, tokenize_contexts
+from .pooling import AttentionPooler, layer_states, pool_from_outputs, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
 from .prompts import question_prompt
 from .transport import PayloadError, TransportPayload, pack, unpack
@@ -59,6 +60,8 @@ class ILCPHandoff:
         compressor: the trained beta-VAE (input width D = hidden x number of pooled layers).
         projector: the trained gated projector z (B, Z) -> memory (B, K, H).
         config: the export's config.json as a dict (pooling settings, sizes, LM fingerprint).
+        pooler: the trained attention pooler when ``config["pooling"]["kind"]`` is "attention";
+            None for the masked mean.
         device: where the compressor and projector run; default the LM's device.
         payload_dtype: dtype of z on the wire: "float32", "float16" or "bfloat16".
 
@@ -76,6 +79,7 @@ class ILCPHandoff:
         projector: GatedLatentToMemoryProjector,
         config: dict,
         *,
+        pooler: AttentionPooler | None = None,
         device: str | torch.device | None = None,
         payload_dtype: str | torch.dtype = "float32",
     ):
@@ -88,11 +92,15 @@ class ILCPHandoff:
         pooling = config.get("pooling", {})
         self.layers = tuple(int(i) for i in pooling.get("layers", [-1]))
         self.max_length = int(pooling.get("max_length", 512))
-        expected_dim = lm.hidden_size * len(self.layers)
-        if compressor.input_dim != expected_dim:
+        kind = pooling.get("kind", "masked_mean")
+        if (kind == "attention") != (pooler is not None):
+            raise ExportError(f"config.json names pooling {kind!r}, but "
+                              f"{'no' if pooler is None else 'an attention'} pooler was given")
+        expected_dim = lm.hidden_size * len(self.layers) * (pooler.num_queries if pooler is not None else 1)
+        if compressor.input_dim != expected_dim or (pooler is not None and pooler.dim != lm.hidden_size * len(self.layers)):
             raise ExportError(
-                f"the compressor reads pooled states of width {compressor.input_dim}, but {len(self.layers)} "
-                f"pooled layer(s) of this LM (hidden {lm.hidden_size}) give {expected_dim}"
+                f"the compressor reads pooled states of width {compressor.input_dim}, but {kind} pooling of "
+                f"{len(self.layers)} layer(s) of this LM (hidden {lm.hidden_size}) gives {expected_dim}"
             )
         if projector.model_hidden != lm.hidden_size or projector.latent_dim != compressor.latent_dim:
             raise ExportError(
@@ -106,6 +114,7 @@ class ILCPHandoff:
         self.device = torch.device(device) if device is not None else lm.device
         self.compressor = compressor.to(self.device).float().eval()
         self.projector = projector.to(self.device).float().eval()
+        self.pooler = pooler.to(self.device).float().eval() if pooler is not None else None
         self.source: Path | None = None
 
     # ---------------------------------------------------------------------------------- loading
@@ -156,7 +165,8 @@ class ILCPHandoff:
             lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
-        handoff = cls(lm, run.compressor, run.projector, run.config, device=device, payload_dtype=payload_dtype)
+        handoff = cls(lm, run.compressor, run.projector, run.config, pooler=run.pooler, device=device,
+                      payload_dtype=payload_dtype)
         handoff.source = Path(path)
         return handoff
 
@@ -170,6 +180,8 @@ class ILCPHandoff:
         path = Path(path)
         state = {f"compressor.{k}": v.detach().cpu() for k, v in self.compressor.state_dict().items()}
         state.update({f"projector.{k}": v.detach().cpu() for k, v in self.projector.state_dict().items()})
+        if self.pooler is not None:
+            state.update({f"pooler.{k}": v.detach().cpu() for k, v in self.pooler.state_dict().items()})
         atomic_save_safetensors(state, path / MODEL_FILE, {"format": "pt"})
         config = copy.deepcopy(self.config)
         config["files"] = {"ilcp": MODEL_FILE}
@@ -251,7 +263,7 @@ class ILCPHandoff:
             mask = inputs["attention_mask"][chunk, :width]
             with torch.no_grad():
                 out = self.lm.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-                pooled[chunk] = pool_from_outputs(out, mask, self.layers).float().to(self.device)
+                pooled[chunk] = self._pool(out, mask)
         return pooled
 
     def latent(self, pooled: Tensor) -> Tensor:
@@ -294,8 +306,16 @@ class ILCPHandoff:
         Returns:
             a payload with latent (B, Z).
         """
-        pooled = pool_from_outputs(outputs, attention_mask, self.layers)
-        return self.send(pooled.detach().float())
+        with torch.no_grad():
+            pooled = self._pool(outputs, attention_mask)
+        return self.send(pooled)
+
+    def _pool(self, outputs, attention_mask: Tensor) -> Tensor:
+        """The run's pooling of a forward's hidden states: (B, D) float32 on the modules' device."""
+        if self.pooler is None:
+            return pool_from_outputs(outputs, attention_mask, self.layers).float().to(self.device)
+        states = layer_states(outputs, self.layers).to(self.device)
+        return self.pooler(states, attention_mask.to(self.device))
 
     # --------------------------------------------------------------------------------- receiver
 

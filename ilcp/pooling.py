@@ -1,8 +1,11 @@
-"""Pooled sender states: masked mean pooling, batched extraction, and an on-disk cache.
+"""Pooled sender states: masked mean pooling, learned attention pooling, batched extraction, and
+an on-disk cache.
 
-The sender's summary of a context is the mean of its last-layer hidden states over real tokens
-(padding masked out, divided by the raw token count clamped to >= 1, no L2 normalisation).
-`layers` can name several layers; their pooled vectors are concatenated.
+The sender's summary of a context is, by default, the mean of its last-layer hidden states over
+real tokens (padding masked out, divided by the raw token count clamped to >= 1, no L2
+normalisation). `layers` can name several layers; their states are concatenated along the
+feature axis. `AttentionPooler` is the trained alternative: a few learned queries, each taking a
+softmax-weighted mean of the token states; it starts out equal to the masked mean.
 
     from ilcp.lm import load_lm
     from ilcp.pooling import pooled_states
@@ -13,7 +16,8 @@ Extraction runs through a Lightning predict loop, so the same code uses any Trai
 (pass ``trainer_kwargs={"devices": 4, "strategy": "ddp"}``); each rank writes its shard and the
 shards are merged by row index. `cached_pooled_states` keys the result by the LM fingerprint,
 the task configuration, the maximum length and the layers, and a second call reads it back
-without a forward pass.
+without a forward pass. `token_states` / `cached_token_states` do the same for the unpooled
+states of every real token (what an `AttentionPooler` trains on), stored flat as `TokenStates`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from .compat import logits_to_keep_kwargs
@@ -61,15 +65,119 @@ def masked_mean_pool(hidden_states: Tensor, attention_mask: Tensor) -> Tensor:
     return summed / count
 
 
-def pool_from_outputs(outputs, attention_mask: Tensor, layers: Sequence[int] = (-1,)) -> Tensor:
-    """Pool from a forward the sender already ran with ``output_hidden_states=True``.
+class AttentionPooler(nn.Module):
+    """Learned-query attention pooling of a context's token states.
 
-    Returns (B, H * len(layers)): the masked means of the chosen layers, concatenated.
+    Each of ``num_queries`` queries scores every real token from its layer-normalised state and
+    takes the softmax-weighted mean of the raw states; the query outputs are concatenated. The
+    scoring weights start at zero, so an untrained pooler returns ``num_queries`` copies of the
+    masked mean: the VAE of stage 1 trains on exactly that, and the answer loss of stage 2
+    teaches the queries which tokens to read.
+
+    Args:
+        dim: D, the width of a token state (hidden size x number of layers).
+        num_queries: Q; the output is (B, Q * D).
     """
+
+    def __init__(self, dim: int, num_queries: int = 4):
+        super().__init__()
+        if int(dim) < 1 or int(num_queries) < 1:
+            raise ValueError(f"dim and num_queries must be >= 1, got {dim} and {num_queries}")
+        self.dim, self.num_queries = int(dim), int(num_queries)
+        self.norm = nn.LayerNorm(self.dim, elementwise_affine=False)
+        self.score = nn.Linear(self.dim, self.num_queries, bias=False)  # a bias cancels in the softmax
+        nn.init.zeros_(self.score.weight)
+
+    @property
+    def output_dim(self) -> int:
+        return self.dim * self.num_queries
+
+    def weights(self, states: Tensor, attention_mask: Tensor) -> Tensor:
+        """Attention of each query over positions: (B, S, D), (B, S) -> (B, S, Q), float32.
+
+        Padding gets weight 0; a row with no real token gets weight 0 everywhere.
+        """
+        if states.dim() != 3 or states.shape[-1] != self.dim:
+            raise ValueError(f"token states must be (batch, seq, {self.dim}), got {tuple(states.shape)}")
+        if attention_mask.shape != states.shape[:2]:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match token states {tuple(states.shape)}"
+            )
+        real = attention_mask.bool().unsqueeze(-1)
+        logits = self.score(self.norm(states.float())).masked_fill(~real, float("-inf"))
+        return torch.nan_to_num(logits.softmax(dim=1), nan=0.0)
+
+    def forward(self, states: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, S, D) token states and (B, S) mask -> (B, Q * D) float32."""
+        w = self.weights(states, attention_mask)
+        pooled = torch.einsum("bsq,bsd->bqd", w, states.float())
+        return pooled.reshape(states.shape[0], self.output_dim)
+
+
+def layer_states(outputs, layers: Sequence[int] = (-1,)) -> Tensor:
+    """The chosen layers' token states of a forward with ``output_hidden_states=True``,
+    concatenated along the feature axis: (B, S, H * len(layers))."""
     hidden = getattr(outputs, "hidden_states", None)
     if hidden is None:
         raise ValueError("outputs carry no hidden_states: run the forward with output_hidden_states=True")
-    return torch.cat([masked_mean_pool(hidden[i], attention_mask) for i in layers], dim=-1)
+    return torch.cat([hidden[i] for i in layers], dim=-1)
+
+
+def pool_from_outputs(outputs, attention_mask: Tensor, layers: Sequence[int] = (-1,),
+                      pooler: AttentionPooler | None = None) -> Tensor:
+    """Pool from a forward the sender already ran with ``output_hidden_states=True``.
+
+    Returns (B, H * len(layers)): the masked means of the chosen layers, concatenated; or, with a
+    ``pooler``, its output over the concatenated layers (B, Q * H * len(layers)).
+    """
+    states = layer_states(outputs, layers)
+    if pooler is not None:
+        return pooler(states, attention_mask)
+    return masked_mean_pool(states, attention_mask)
+
+
+class TokenStates:
+    """Token states of N contexts of different lengths, stored flat.
+
+    Row i is ``flat[offsets[i]:offsets[i + 1]]``, a (S_i, D) tensor.
+    """
+
+    def __init__(self, flat: Tensor, offsets: Tensor):
+        if flat.dim() != 2 or offsets.dim() != 1 or offsets.numel() < 1:
+            raise ValueError("TokenStates needs flat (T, D) states and offsets (N + 1,)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) != flat.shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(f"offsets must rise from 0 to {flat.shape[0]}")
+        self.flat, self.offsets = flat, offsets.long()
+
+    @property
+    def dim(self) -> int:
+        return self.flat.shape[1]
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.flat[int(self.offsets[i]): int(self.offsets[i + 1])]
+
+    def lengths(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def mean(self) -> Tensor:
+        """The masked mean of every row: (N, D) float32."""
+        index = torch.repeat_interleave(torch.arange(len(self)), self.lengths())
+        sums = torch.zeros((len(self), self.dim), dtype=torch.float32).index_add_(0, index, self.flat.float())
+        return sums / self.lengths().clamp(min=1).unsqueeze(-1).float()
+
+
+def pad_token_states(rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Right-pad (S_i, D) rows: ((B, S, D) states, (B, S) long mask)."""
+    width = max(max(int(r.shape[0]) for r in rows), 1)
+    states = rows[0].new_zeros((len(rows), width, rows[0].shape[1]))
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        states[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = 1
+    return states, mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,12 +210,14 @@ def _collate(pad_id: int):
 
 
 class PoolingModule(L.LightningModule):
-    """Wraps the frozen LM for `Trainer.predict`; returns pooled states per batch."""
+    """Wraps the frozen LM for `Trainer.predict`; returns pooled states per batch, or with
+    ``tokens=True`` the states of every real token (flat) and each row's length."""
 
-    def __init__(self, model: torch.nn.Module, layers: Sequence[int] = (-1,)):
+    def __init__(self, model: torch.nn.Module, layers: Sequence[int] = (-1,), tokens: bool = False):
         super().__init__()
         self.model = model
         self.layers = tuple(layers)
+        self.tokens = tokens
 
     def predict_step(self, batch, batch_idx):
         out = self.model(
@@ -117,7 +227,11 @@ class PoolingModule(L.LightningModule):
             use_cache=False,
             **logits_to_keep_kwargs(self.model, 1),  # the LM head's logits are not needed
         )
-        pooled = pool_from_outputs(out, batch["attention_mask"], self.layers)
+        mask = batch["attention_mask"]
+        if self.tokens:  # right padding: the real tokens of each row come first, rows in order
+            states = layer_states(out, self.layers)[mask.bool()]
+            return {"index": batch["index"].cpu(), "states": states.float().cpu(), "lengths": mask.sum(-1).cpu()}
+        pooled = pool_from_outputs(out, mask, self.layers)
         return {"index": batch["index"].cpu(), "pooled": pooled.float().cpu()}
 
 
@@ -129,9 +243,8 @@ class _ShardWriter(BasePredictionWriter):
         self.directory = directory
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
-        index = torch.cat([p["index"] for p in predictions])
-        pooled = torch.cat([p["pooled"] for p in predictions])
-        save_file({"index": index, "pooled": pooled}, str(self.directory / f"rank{trainer.global_rank}.safetensors"))
+        tensors = {k: torch.cat([p[k] for p in predictions]) for k in predictions[0]}
+        save_file(tensors, str(self.directory / f"rank{trainer.global_rank}.safetensors"))
 
     def merge(self, n: int) -> Tensor:
         shards = [load_file(str(p)) for p in sorted(self.directory.glob("rank*.safetensors"))]
@@ -145,6 +258,18 @@ class _ShardWriter(BasePredictionWriter):
             raise RuntimeError(f"pooled-state extraction returned {int(seen.sum())} of {n} rows")
         return out
 
+    def merge_tokens(self, n: int) -> list[Tensor]:
+        """Per-row token states (S_i, D), in row-index order."""
+        rows: list[Tensor | None] = [None] * n
+        for p in sorted(self.directory.glob("rank*.safetensors")):
+            s = load_file(str(p))
+            for i, part in zip(s["index"].tolist(), torch.split(s["states"], s["lengths"].tolist())):
+                rows[i] = part
+        missing = sum(r is None for r in rows)
+        if missing:
+            raise RuntimeError(f"token-state extraction missed {missing} of {n} rows")
+        return rows
+
 
 def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
     """Token ids without special tokens; contexts longer than `max_length` keep their last tokens
@@ -153,6 +278,38 @@ def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     return [seq[-max_length:] if len(seq) > max_length else seq for seq in ids]
+
+
+def _extract(lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max_length: int,
+             layers: Sequence[int], trainer_kwargs: dict | None, progress: bool):
+    """One predict pass over `texts` (sorted by length, put back in order afterwards)."""
+    texts = list(texts)
+    if any(not isinstance(t, str) for t in texts):
+        raise ValueError("texts must be strings")
+    ids = tokenize_contexts(lm.tokenizer, texts, max_length)
+    if any(len(seq) == 0 for seq in ids):
+        raise ValueError("cannot pool an empty context (it has no tokens)")
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    sorted_ids = [ids[i] for i in order]
+    loader = DataLoader(_Texts(sorted_ids), batch_size=batch_size, shuffle=False,
+                        collate_fn=_collate(lm.tokenizer.pad_token_id or 0))
+    kwargs = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
+              "enable_progress_bar": progress, "enable_model_summary": False}
+    kwargs.update(trainer_kwargs or {})
+    with tempfile.TemporaryDirectory(prefix="ilcp-pool-") as tmp:
+        writer = _ShardWriter(Path(tmp))
+        trainer = L.Trainer(callbacks=[writer], **kwargs)
+        trainer.predict(PoolingModule(lm.model, layers, tokens=tokens), dataloaders=loader, return_predictions=False)
+        if tokens:
+            rows_sorted = writer.merge_tokens(len(sorted_ids))
+            rows: list[Tensor] = [None] * len(texts)  # type: ignore[list-item]
+            for pos, i in enumerate(order):
+                rows[i] = rows_sorted[pos]
+            return rows
+        pooled_sorted = writer.merge(len(sorted_ids))
+    pooled = torch.empty_like(pooled_sorted)
+    pooled[torch.tensor(order)] = pooled_sorted
+    return pooled
 
 
 def pooled_states(
@@ -172,39 +329,62 @@ def pooled_states(
     Returns:
         (N, H * len(layers)) float32 on the CPU.
     """
-    texts = list(texts)
-    if not texts:
+    if len(texts) == 0:
         return torch.zeros((0, lm.hidden_size * len(layers)), dtype=torch.float32)
-    if any(not isinstance(t, str) for t in texts):
-        raise ValueError("texts must be strings")
-    ids = tokenize_contexts(lm.tokenizer, texts, max_length)
-    if any(len(seq) == 0 for seq in ids):
-        raise ValueError("cannot pool an empty context (it has no tokens)")
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    sorted_ids = [ids[i] for i in order]
-    loader = DataLoader(_Texts(sorted_ids), batch_size=batch_size, shuffle=False,
-                        collate_fn=_collate(lm.tokenizer.pad_token_id or 0))
-    kwargs = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
-              "enable_progress_bar": progress, "enable_model_summary": False}
-    kwargs.update(trainer_kwargs or {})
-    with tempfile.TemporaryDirectory(prefix="ilcp-pool-") as tmp:
-        writer = _ShardWriter(Path(tmp))
-        trainer = L.Trainer(callbacks=[writer], **kwargs)
-        trainer.predict(PoolingModule(lm.model, layers), dataloaders=loader, return_predictions=False)
-        pooled_sorted = writer.merge(len(sorted_ids))
-    pooled = torch.empty_like(pooled_sorted)
-    pooled[torch.tensor(order)] = pooled_sorted
-    return pooled
+    return _extract(lm, texts, tokens=False, batch_size=batch_size, max_length=max_length, layers=layers,
+                    trainer_kwargs=trainer_kwargs, progress=progress)
+
+
+def token_states(
+    lm: LM,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 16,
+    max_length: int = 512,
+    layers: Sequence[int] = (-1,),
+    trainer_kwargs: dict | None = None,
+    progress: bool = True,
+) -> TokenStates:
+    """The states of every real token of `texts` (the chosen layers concatenated), in the order
+    given: row i is (S_i, H * len(layers)) float32, S_i the context's token count (<= max_length)."""
+    if len(texts) == 0:
+        return TokenStates(torch.zeros((0, lm.hidden_size * len(layers))), torch.zeros(1, dtype=torch.long))
+    rows = _extract(lm, texts, tokens=True, batch_size=batch_size, max_length=max_length, layers=layers,
+                    trainer_kwargs=trainer_kwargs, progress=progress)
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return TokenStates(torch.cat(rows).contiguous(), offsets)
 
 
 # --------------------------------------------------------------------------------------------
 # on-disk cache
 
 
-def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int]) -> dict:
-    """Everything that decides the pooled states, as a JSON-serialisable dict."""
+def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int],
+                     kind: str = "masked_mean") -> dict:
+    """Everything that decides the cached states, as a JSON-serialisable dict."""
     return {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
-            "layers": [int(i) for i in layers], "pool": "masked_mean", "format": 1}
+            "layers": [int(i) for i in layers], "pool": kind, "format": 1}
+
+
+def _cache_lookup(key: dict, row_ids: Sequence[str], cache_dir) -> tuple[Path, dict, dict | None]:
+    """(cache file, its metadata, its tensors when the file matches `key` and `row_ids`, else None)."""
+    key_json = json.dumps(key, sort_keys=True)
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:24]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = root / "pooled" / f"{digest}.safetensors"
+    meta = {"key": key_json, "row_ids": json.dumps(list(row_ids))}
+    if path.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                found = f.metadata() or {}
+                if found.get("key") == meta["key"] and found.get("row_ids") == meta["row_ids"]:
+                    return path, meta, {k: f.get_tensor(k) for k in f.keys()}
+        except Exception:  # unreadable or foreign file: recompute and replace it
+            pass
+    return path, meta, None
 
 
 def cached_pooled_states(
@@ -228,22 +408,40 @@ def cached_pooled_states(
     if len(contexts) != len(row_ids):
         raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
     key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers)
-    key_json = json.dumps(key, sort_keys=True)
-    digest = hashlib.sha256(key_json.encode()).hexdigest()[:24]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path = root / "pooled" / f"{digest}.safetensors"
-    ids_json = json.dumps(list(row_ids))
-    if path.is_file():
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("key") == key_json and meta.get("row_ids") == ids_json:
-                    return f.get_tensor("pooled"), path, True
-        except Exception:  # unreadable or foreign file: recompute and replace it
-            pass
+    path, meta, found = _cache_lookup(key, row_ids, cache_dir)
+    if found is not None and "pooled" in found:
+        return found["pooled"], path, True
     pooled = pooled_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
                            trainer_kwargs=trainer_kwargs, progress=progress)
-    atomic_save_safetensors({"pooled": pooled.contiguous()}, path, {"key": key_json, "row_ids": ids_json})
+    atomic_save_safetensors({"pooled": pooled.contiguous()}, path, meta)
     return pooled, path, False
+
+
+def cached_token_states(
+    lm: LM,
+    contexts: Sequence[str],
+    row_ids: Sequence[str],
+    task_key: dict,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    max_length: int = 512,
+    layers: Sequence[int] = (-1,),
+    batch_size: int = 16,
+    trainer_kwargs: dict | None = None,
+    progress: bool = True,
+) -> tuple[TokenStates, Path, bool]:
+    """`token_states` of `contexts` through the same cache as `cached_pooled_states`.
+
+    Returns:
+        (token states, cache file, hit).
+    """
+    if len(contexts) != len(row_ids):
+        raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
+    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, kind="tokens")
+    path, meta, found = _cache_lookup(key, row_ids, cache_dir)
+    if found is not None and {"states", "offsets"} <= set(found):
+        return TokenStates(found["states"], found["offsets"]), path, True
+    states = token_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
+                          trainer_kwargs=trainer_kwargs, progress=progress)
+    atomic_save_safetensors({"states": states.flat.contiguous(), "offsets": states.offsets.contiguous()}, path, meta)
+    return states, path, False

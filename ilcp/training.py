@@ -4,11 +4,14 @@
     python train.py --config configs/tiny.yaml        # seconds, tiny random LM (tests)
 
 `train(cfg)` runs, for one frozen LM loaded once:
-1. data: task rows (train / validation), pooled states of every context (cached on disk);
+1. data: task rows (train / validation), pooled states of every context, or with
+   ``compressor.pooling=attention`` the states of every context token (cached on disk);
 2. stage 1, `CompressorModule`: the beta-VAE on standardised pooled states
-   (reconstruction + beta * KL with a linear warm-up);
+   (reconstruction + beta * KL with a linear warm-up); an attention pooler is untrained here
+   and returns copies of the mean, so stage 1 sees what the spec's mean pool gives;
 3. stage 2, `HandoffModule`, once per variant with the same recipe and step budget:
-   - ``ilcp``: z = mu of the encoder -> projector -> K memory vectors + question prompt;
+   - ``ilcp``: z = mu of the encoder -> projector -> K memory vectors + question prompt
+     (the attention pooler, when configured, learns here with the encoder);
    - ``prompt_tuned``: K learned constant vectors + question prompt (no context);
    - ``cold_read_tuned``: K learned constant vectors + context text + question prompt;
    each trained with the answer tokens' cross-entropy through the frozen LM (labels are -100
@@ -46,7 +49,8 @@ from .decoding import assemble_prefix, greedy_decode, left_pad
 from .evaluation.metrics import exact_match
 from .io import atomic_save_safetensors, atomic_write_json
 from .lm import LM, load_lm
-from .pooling import cached_pooled_states
+from .pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, masked_mean_pool,
+                      pad_token_states)
 from .projector import GatedLatentToMemoryProjector, mean_token_embedding_norm
 from .tasks import load_task, task_config_key
 
@@ -73,29 +77,57 @@ def load_rows(cfg: TrainConfig, split: str, size: int):
 
 
 class HandoffRows(Dataset):
-    """Rows {context, question, answer} with their pooled states (N, D)."""
+    """Rows {context, question, answer} with their sender states: pooled (N, D), or the token
+    states of each context (`TokenStates`) for an attention pooler."""
 
-    def __init__(self, rows: list[dict], pooled: Tensor):
-        if len(rows) != pooled.shape[0]:
-            raise ValueError(f"{len(rows)} rows but {pooled.shape[0]} pooled states")
-        self.rows, self.pooled = rows, pooled
+    def __init__(self, rows: list[dict], states: Tensor | TokenStates):
+        if len(rows) != len(states):
+            raise ValueError(f"{len(rows)} rows but {len(states)} sender states")
+        self.rows, self.states = rows, states
+
+    @property
+    def tokens(self) -> bool:
+        return isinstance(self.states, TokenStates)
+
+    @property
+    def state_dim(self) -> int:
+        return self.states.dim if self.tokens else self.states.shape[1]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
         r = self.rows[i]
-        return {"index": i, "pooled": self.pooled[i], "context": r["context"], "question": r["question"], "answer": r["answer"]}
+        return {"index": i, "states": self.states[i], "context": r["context"], "question": r["question"], "answer": r["answer"]}
 
 
 def collate_rows(items: list[dict]) -> dict:
-    return {
+    """A batch: "pooled" (B, D), or "tokens" (B, S, D) with "token_mask" (B, S) for token states."""
+    batch = {
         "index": torch.tensor([it["index"] for it in items]),
-        "pooled": torch.stack([it["pooled"] for it in items]),
         "context": [it["context"] for it in items],
         "question": [it["question"] for it in items],
         "answer": [it["answer"] for it in items],
     }
+    if items[0]["states"].dim() == 2:
+        batch["tokens"], batch["token_mask"] = pad_token_states([it["states"] for it in items])
+    else:
+        batch["pooled"] = torch.stack([it["states"] for it in items])
+    return batch
+
+
+@torch.no_grad()
+def pooled_inputs(rows: HandoffRows, pooler: AttentionPooler | None, batch_size: int = 64) -> Tensor:
+    """Every row's pooled state (N, D): the stored one, or the pooler over the token states."""
+    if not rows.tokens:
+        return rows.states
+    if pooler is None:
+        return rows.states.mean()
+    out = []
+    for start in range(0, len(rows), batch_size):
+        states, mask = pad_token_states([rows.states[i] for i in range(start, min(start + batch_size, len(rows)))])
+        out.append(pooler(states, mask))
+    return torch.cat(out)
 
 
 class HandoffDataModule(L.LightningDataModule):
@@ -163,13 +195,18 @@ class HandoffModule(L.LightningModule):
         lm: the frozen LM (kept in eval mode, excluded from checkpoints).
         cfg: stage-2 settings.
         vae: the stage-1 compressor (ilcp only).
+        pooler: the attention pooler in front of the compressor (ilcp only; None = the batches
+            carry pooled states).
         val_decode_size: validation rows (the first ones) decoded for exact match.
     """
 
-    def __init__(self, variant: str, lm: LM, cfg: HandoffConfig, vae: BetaVAE | None = None, val_decode_size: int = 64):
+    def __init__(self, variant: str, lm: LM, cfg: HandoffConfig, vae: BetaVAE | None = None,
+                 val_decode_size: int = 64, pooler: AttentionPooler | None = None):
         super().__init__()
         if variant == "ilcp" and vae is None:
             raise ValueError("the ilcp variant needs the stage-1 compressor")
+        if pooler is not None and variant != "ilcp":
+            raise ValueError("only the ilcp variant reads the sender's states through a pooler")
         self.variant, self.cfg, self.tokenizer, self.val_decode_size = variant, cfg, lm.tokenizer, val_decode_size
         self.lm = lm.model
         self.strict_loading = False  # checkpoints hold the trained modules only
@@ -178,6 +215,7 @@ class HandoffModule(L.LightningModule):
         if variant == "ilcp":
             self.vae = vae
             self.vae.requires_grad_(cfg.finetune_encoder)
+            self.pooler = pooler
             self.projector = GatedLatentToMemoryProjector(vae.latent_dim, cfg.num_memory_tokens, hidden, cfg.projector_hidden)
             self.projector.calibrate_output_norm(target_norm)
         else:
@@ -196,6 +234,14 @@ class HandoffModule(L.LightningModule):
             self.vae.eval()
         return self
 
+    def pooled(self, batch: dict) -> Tensor:
+        """The batch's pooled sender states (B, D): stored, or through the attention pooler."""
+        if "tokens" in batch:
+            if getattr(self, "pooler", None) is None:
+                return masked_mean_pool(batch["tokens"], batch["token_mask"])
+            return self.pooler(batch["tokens"], batch["token_mask"])
+        return batch["pooled"]
+
     def memory(self, pooled: Tensor) -> tuple[Tensor, Tensor]:
         """(B, D) pooled states -> (memory (B, K, H) in the LM's dtype, mean KL or 0)."""
         dtype = self.lm.get_input_embeddings().weight.dtype
@@ -212,7 +258,7 @@ class HandoffModule(L.LightningModule):
         return prompts.question_prompt(self.tokenizer, question)
 
     def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
-        memory, kl = self.memory(batch["pooled"])
+        memory, kl = self.memory(self.pooled(batch))
         embed = self.lm.get_input_embeddings()
         device = embed.weight.device
         sequences, labels = [], []
@@ -250,7 +296,8 @@ class HandoffModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]))
         keep = [i for i, idx in enumerate(batch["index"].tolist()) if idx < self.val_decode_size]
         if keep:
-            predictions = self.answer([batch["pooled"][i] for i in keep], [batch["context"][i] for i in keep],
+            pooled = self.pooled(batch)
+            predictions = self.answer(pooled[keep], [batch["context"][i] for i in keep],
                                       [batch["question"][i] for i in keep])
             self._val_hits.extend(exact_match(p, batch["answer"][i]) for p, i in zip(predictions, keep))
 
@@ -261,9 +308,9 @@ class HandoffModule(L.LightningModule):
         self._val_hits.clear()
 
     @torch.no_grad()
-    def answer(self, pooled: list[Tensor], contexts: list[str], questions: list[str]) -> list[str]:
-        """Greedy answers of this variant for a few rows (validation)."""
-        memory, _ = self.memory(torch.stack(pooled))
+    def answer(self, pooled: Tensor, contexts: list[str], questions: list[str]) -> list[str]:
+        """Greedy answers of this variant for a few rows (validation); pooled is (B, D)."""
+        memory, _ = self.memory(pooled)
         prefixes = [assemble_prefix(self.lm, self.tokenizer, [memory[i], self.prompt_text(c, q)])
                     for i, (c, q) in enumerate(zip(contexts, questions))]
         return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
@@ -273,7 +320,8 @@ class HandoffModule(L.LightningModule):
         if self.variant == "ilcp":
             groups = [{"params": list(self.projector.parameters()), "lr": self.cfg.lr}]
             if self.cfg.finetune_encoder:
-                groups.append({"params": list(self.vae.parameters()), "lr": self.cfg.encoder_lr})
+                encoder = list(self.vae.parameters()) + (list(self.pooler.parameters()) if self.pooler is not None else [])
+                groups.append({"params": encoder, "lr": self.cfg.encoder_lr})
         else:
             groups = [{"params": [self.soft_prompt], "lr": self.cfg.lr}]
         opt = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
@@ -296,6 +344,8 @@ class HandoffModule(L.LightningModule):
         if self.variant == "ilcp":
             state = {f"compressor.{k}": v for k, v in self.vae.state_dict().items()}
             state.update({f"projector.{k}": v for k, v in self.projector.state_dict().items()})
+            if self.pooler is not None:
+                state.update({f"pooler.{k}": v for k, v in self.pooler.state_dict().items()})
             return state
         return {"soft_prompt": self.soft_prompt.detach()}
 
@@ -303,6 +353,8 @@ class HandoffModule(L.LightningModule):
         if self.variant == "ilcp":
             self.vae.load_state_dict({k[len("compressor."):]: v for k, v in state.items() if k.startswith("compressor.")})
             self.projector.load_state_dict({k[len("projector."):]: v for k, v in state.items() if k.startswith("projector.")})
+            if self.pooler is not None:
+                self.pooler.load_state_dict({k[len("pooler."):]: v for k, v in state.items() if k.startswith("pooler.")})
         else:
             self.soft_prompt.data.copy_(state["soft_prompt"])
 
@@ -370,34 +422,46 @@ def prepare_data(cfg: TrainConfig, lm: LM):
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
         t0 = time.perf_counter()
-        pooled, path, hit = cached_pooled_states(
+        tokens = cfg.compressor.pooling == "attention"
+        extract = cached_token_states if tokens else cached_pooled_states
+        states, path, hit = extract(
             lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
             cache_dir=cfg.lm.cache_dir, max_length=cfg.data.max_length, layers=cfg.data.pool_layers,
             batch_size=cfg.data.pool_batch_size, progress=cfg.trainer.progress,
         )
-        _say(f"{split}: {len(rows)} rows; pooled states {tuple(pooled.shape)} "
+        what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
+        _say(f"{split}: {len(rows)} rows; {what} "
              f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
-        out[split] = HandoffRows(rows, pooled)
+        out[split] = HandoffRows(rows, states)
     return out["train"], out["validation"]
 
 
-def train_compressor(cfg: TrainConfig, train: HandoffRows, val: HandoffRows, resume: bool) -> tuple[BetaVAE, dict]:
+def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | None:
+    """The untrained attention pooler of the config (None for the mean pool)."""
+    if cfg.compressor.pooling != "attention":
+        return None
+    return AttentionPooler(state_dim, cfg.compressor.pool_queries)
+
+
+def train_compressor(cfg: TrainConfig, train: HandoffRows, val: HandoffRows, resume: bool,
+                     pooler: AttentionPooler | None = None) -> tuple[BetaVAE, dict]:
     stage_dir = cfg.run_dir / "stages" / "compressor"
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
-    vae = BetaVAE(train.pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta)
+    train_pooled, val_pooled = pooled_inputs(train, pooler), pooled_inputs(val, pooler)
+    vae = BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta)
     if resume and done.is_file():
         vae.load_state_dict(load_file(str(done)))
         _say("stage 1 (compressor): finished earlier, loaded")
         return vae, json.loads((stage_dir / "metrics.json").read_text())
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    vae.set_standardisation(train.pooled)
+    vae.set_standardisation(train_pooled)
     module = CompressorModule(vae, c)
     tr, fr = parameter_counts(module)
     _say(f"stage 1 (compressor): {tr:,} trainable parameters, {fr:,} frozen; {c.epochs} epochs")
     g = torch.Generator().manual_seed(cfg.trainer.seed)
-    loader = DataLoader(TensorDataset(train.pooled), batch_size=c.batch_size, shuffle=True, generator=g)
-    val_loader = DataLoader(TensorDataset(val.pooled), batch_size=max(len(val), 1))
+    loader = DataLoader(TensorDataset(train_pooled), batch_size=c.batch_size, shuffle=True, generator=g)
+    val_loader = DataLoader(TensorDataset(val_pooled), batch_size=max(len(val), 1))
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), save_last=True, save_top_k=0)
     trainer = _trainer(cfg, stage_dir, "compressor", [ckpt], max_epochs=c.epochs,
                        check_val_every_n_epoch=max(1, c.epochs // 6))
@@ -409,11 +473,12 @@ def train_compressor(cfg: TrainConfig, train: HandoffRows, val: HandoffRows, res
 
 
 def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModule, vae: BetaVAE | None,
-                  resume: bool) -> tuple[HandoffModule, dict]:
+                  resume: bool, pooler: AttentionPooler | None = None) -> tuple[HandoffModule, dict]:
     stage_dir = cfg.run_dir / "stages" / variant
     done = stage_dir / f"{variant}.safetensors"
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    module = HandoffModule(variant, lm, cfg.handoff, vae=vae, val_decode_size=cfg.data.val_decode_size)
+    module = HandoffModule(variant, lm, cfg.handoff, vae=vae, val_decode_size=cfg.data.val_decode_size,
+                           pooler=pooler if variant == "ilcp" else None)
     if resume and done.is_file():
         module.load_trained_state(load_file(str(done)))
         _say(f"stage 2 ({variant}): finished earlier, loaded")
@@ -486,18 +551,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     _say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
     train_rows, val_rows = prepare_data(cfg, lm)
     vae, compressor_metrics = None, {}
+    pooler = make_pooler(cfg, train_rows.state_dim)
     if "ilcp" in cfg.handoff.variants:
-        vae, compressor_metrics = train_compressor(cfg, train_rows, val_rows, resume)
+        vae, compressor_metrics = train_compressor(cfg, train_rows, val_rows, resume, pooler)
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     modules, variant_metrics = {}, {}
     for variant in cfg.handoff.variants:
-        modules[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, vae, resume)
+        modules[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, vae, resume, pooler)
         _say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
     metrics = {
         "compressor": compressor_metrics, "variants": variant_metrics,
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "train_rows": len(train_rows), "val_rows": len(val_rows),
     }
-    export_run(cfg, lm, modules, metrics, pool_dim=train_rows.pooled.shape[1])
+    export_run(cfg, lm, modules, metrics, pool_dim=vae.input_dim if vae is not None else train_rows.state_dim)
     _say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
     return TrainResult(run_dir=run_dir, metrics=metrics, modules=modules)

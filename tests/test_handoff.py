@@ -192,3 +192,31 @@ def test_half_precision_payload_is_smaller(handoff):
 def test_load_lm_spec_matches_the_fixture(tiny_lm):
     # The two-agent test relies on a fresh tiny LM having the fixture's fingerprint.
     assert load_lm(TINY_LM).fingerprint == tiny_lm.fingerprint
+
+
+def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
+    from ilcp.pooling import pad_token_states, token_states
+
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
+                             "compressor.pooling=attention", "handoff.variants=[ilcp]", "handoff.encoder_lr=0.01"])
+    result = train(cfg, lm=tiny_lm)
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    assert handoff.pooler is not None
+    module = result.modules["ilcp"].eval()
+    rows = token_states(tiny_lm, CONTEXTS, max_length=cfg.data.max_length, progress=False)
+    states, mask = pad_token_states([rows[i] for i in range(len(CONTEXTS))])
+    with torch.no_grad():
+        expected = module.vae.latent(module.pooler(states, mask))
+    torch.testing.assert_close(handoff.send(CONTEXTS).latent, expected, rtol=1e-5, atol=1e-5)
+    # a sender that already ran its forward gets the same payload
+    inputs = handoff.sender_inputs(CONTEXTS)
+    with torch.no_grad():
+        out = tiny_lm.model(**inputs, output_hidden_states=True)
+    torch.testing.assert_close(handoff.send_from_hidden_states(out, inputs["attention_mask"]).latent, expected,
+                               rtol=1e-5, atol=1e-5)
+    # save_pretrained keeps the pooler
+    again = ILCPHandoff.from_pretrained(handoff.save_pretrained(tmp_path / "saved"), lm=tiny_lm)
+    torch.testing.assert_close(again.send(CONTEXTS).latent, expected, rtol=1e-5, atol=1e-5)
+    # the modules without their pooler do not fit the config
+    with pytest.raises(ExportError, match="pooler"):
+        ILCPHandoff(tiny_lm, handoff.compressor, handoff.projector, handoff.config)

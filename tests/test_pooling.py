@@ -117,3 +117,89 @@ def test_embedded_smollm2_pools_a_text(smollm2):
     assert pooled.shape == (1, 576)
     assert torch.isfinite(pooled).all() and pooled.abs().sum() > 0
     assert pooling.masked_mean_pool is masked_mean_pool
+
+
+# --------------------------------------------------------------------------------------------
+# attention pooling and token states
+
+
+def test_untrained_attention_pooler_returns_copies_of_the_masked_mean():
+    torch.manual_seed(0)
+    states = torch.randn(2, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    pooler = pooling.AttentionPooler(8, num_queries=3)
+    out = pooler(states, mask)
+    assert out.shape == (2, 3 * 8) and pooler.output_dim == 24
+    mean = masked_mean_pool(states, mask)
+    torch.testing.assert_close(out, mean.repeat(1, 3))
+
+
+def test_attention_pooler_ignores_padding_and_learns_where_to_look():
+    torch.manual_seed(0)
+    states = torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    pooler = pooling.AttentionPooler(8, num_queries=2)
+    with torch.no_grad():
+        pooler.score.weight.normal_()
+    w = pooler.weights(states, mask)
+    assert torch.equal(w[0, 2:], torch.zeros(2, 2))
+    torch.testing.assert_close(w.sum(dim=1), torch.ones(2, 2))
+    # what sits under the padding does not matter
+    changed = states.clone()
+    changed[0, 2:] = 1e4
+    torch.testing.assert_close(pooler(changed, mask), pooler(states, mask))
+    # the zero-initialised scores receive a gradient from a loss on the output
+    fresh = pooling.AttentionPooler(8, num_queries=2)
+    (fresh(states, mask) * torch.randn(2, 16)).sum().backward()
+    assert fresh.score.weight.grad is not None and fresh.score.weight.grad.abs().sum() > 0
+
+
+def test_attention_pooler_row_without_tokens_is_zero_not_nan():
+    out = pooling.AttentionPooler(4, 2)(torch.ones(1, 3, 4), torch.zeros(1, 3, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("states, mask", [
+    (torch.zeros(2, 3, 5), torch.ones(2, 3)),   # wrong width
+    (torch.zeros(2, 4), torch.ones(2, 4)),      # not rank 3
+    (torch.zeros(2, 3, 4), torch.ones(2, 4)),   # mask mismatch
+])
+def test_attention_pooler_shape_errors(states, mask):
+    with pytest.raises(ValueError):
+        pooling.AttentionPooler(4, 2)(states, mask)
+
+
+def test_token_states_match_a_direct_forward_and_the_mean_pool(tiny_lm):
+    rows = pooling.token_states(tiny_lm, TEXTS, batch_size=2, layers=(-1, 1), progress=False)
+    assert len(rows) == len(TEXTS) and rows.dim == 2 * tiny_lm.hidden_size
+    for i, text in enumerate(TEXTS):
+        ids = tiny_lm.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = tiny_lm.model(ids, output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[-1][0], out.hidden_states[1][0]], dim=-1)
+        assert rows[i].shape == expected.shape
+        torch.testing.assert_close(rows[i], expected, rtol=1e-5, atol=1e-5)
+    pooled = pooled_states(tiny_lm, TEXTS, layers=(-1, 1), progress=False)
+    torch.testing.assert_close(rows.mean(), pooled, rtol=1e-5, atol=1e-5)
+
+
+def test_token_states_padded_batch_and_mean_agree():
+    flat = torch.arange(12.0).reshape(6, 2)
+    rows = pooling.TokenStates(flat, torch.tensor([0, 2, 6]))
+    states, mask = pooling.pad_token_states([rows[0], rows[1]])
+    assert states.shape == (2, 4, 2) and mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    torch.testing.assert_close(rows.mean(), masked_mean_pool(states, mask))
+    with pytest.raises(ValueError):
+        pooling.TokenStates(flat, torch.tensor([0, 7]))
+
+
+def test_token_state_cache_round_trip(tiny_lm, tmp_path):
+    ids = [f"r{i}" for i in range(len(TEXTS))]
+    first, path, hit = pooling.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
+    assert not hit and path.is_file()
+    second, path2, hit2 = pooling.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
+    assert hit2 and path2 == path
+    assert torch.equal(first.flat, second.flat) and torch.equal(first.offsets, second.offsets)
+    # the pooled cache of the same rows is a different file
+    _, pooled_path, pooled_hit = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
+    assert not pooled_hit and pooled_path != path

@@ -145,11 +145,18 @@ def test_every_shipped_config_parses(path):
         ("handoff.lr=fast", "handoff.lr"),
         ("handoff.unknown=1", "handoff.unknown"),
         ("data.val_decode_size=500", "data.val_decode_size"),
+        ("compressor.pooling=max", "compressor.pooling"),
+        ("compressor.pool_queries=0", "compressor.pool_queries"),
     ],
 )
 def test_bad_config_is_a_value_error_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_config(None, [override])
+
+
+def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
+    with pytest.raises(ValueError, match=r"compressor\.pooling=attention needs handoff\.finetune_encoder"):
+        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false"])
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
@@ -189,3 +196,45 @@ def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
 
 def test_default_yaml_mirrors_the_built_in_defaults():
     assert load_config(REPO / "configs" / "default.yaml") == load_config(None)
+
+
+# --------------------------------------------------------------------------------------------
+# attention pooling
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("attention-runs")
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.pooling=attention",
+                             "compressor.pool_queries=3", "handoff.variants=[ilcp]", "handoff.encoder_lr=0.01"])
+    return cfg, train(cfg, lm=tiny_lm)
+
+
+def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
+    from safetensors.torch import load_file
+
+    cfg, result = attention_run
+    run = read_export(result.run_dir)
+    assert run.config["pooling"]["kind"] == "attention" and run.config["pooling"]["num_queries"] == 3
+    assert run.compressor.input_dim == 3 * tiny_lm.hidden_size == run.config["compressor"]["input_dim"]
+    state = load_file(str(result.run_dir / "model.safetensors"))
+    assert "pooler.score.weight" in state
+    # the queries start at zero (the mean pool) and the answer loss moved them
+    assert state["pooler.score.weight"].abs().sum() > 0
+    torch.testing.assert_close(run.pooler.score.weight, result.modules["ilcp"].pooler.score.weight.detach())
+    assert result.metrics["variants"]["ilcp"]["steps"] == cfg.handoff.max_steps
+
+
+def test_attention_run_reloads_to_the_same_memory_vectors(attention_run, tiny_lm):
+    from ilcp.pooling import pad_token_states, token_states
+
+    _, result = attention_run
+    run = read_export(result.run_dir)
+    module = result.modules["ilcp"].eval()
+    rows = token_states(tiny_lm, ["John went home. Mary is in the kitchen.", "Sandra moved to the garden."],
+                        progress=False)
+    states, mask = pad_token_states([rows[0], rows[1]])
+    with torch.no_grad():
+        expected, _ = module.memory(module.pooled({"tokens": states, "token_mask": mask}))
+        got = run.projector(run.compressor.latent(run.pooler(states, mask)), dtype=expected.dtype)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -314,7 +314,8 @@ def evaluate(
     fingerprint = lm.fingerprint
     check_fingerprint(config, fingerprint)
     run = read_export(ckpt)
-    handoff = ILCPHandoff(lm, run.compressor, run.projector, run.config) if run.compressor is not None else None
+    handoff = (ILCPHandoff(lm, run.compressor, run.projector, run.config, pooler=run.pooler)
+               if run.compressor is not None else None)
     ctx = EvalContext(lm=lm, run=run, handoff=handoff)
     bound = []
     for m in runnable:
