@@ -79,11 +79,15 @@ class CompressorConfig:
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
     pooling: str = _f("mean", "sender summary: 'mean' (masked mean, the spec) or 'attention' (learned queries)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
+    probe_weight: float = _f(0.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
+                                  "[z ; question]: answers shape the latent without the LM (0 = the spec)")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.probe_weight < 0:
+            raise ValueError(f"compressor.probe_weight must be >= 0, got {self.probe_weight}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"compressor.pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
@@ -156,9 +160,10 @@ class TrainConfig:
             )
         if self.handoff.joint_kl_weight > 0 and not self.handoff.finetune_encoder:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
-        if self.compressor.pooling == "attention" and not self.handoff.finetune_encoder:
-            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true "
-                             "(the pooler's queries learn from the answer loss only)")
+        c = self.compressor
+        if c.pooling == "attention" and not (self.handoff.finetune_encoder or c.probe_weight > 0):
+            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true or "
+                             "compressor.probe_weight > 0 (the pooler's queries learn from answers only)")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
             raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
 
@@ -239,6 +244,11 @@ def _coerce(value, hint, name: str):
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is str:
         if isinstance(value, str):
             return value

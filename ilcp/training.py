@@ -7,8 +7,11 @@
 1. data: task rows (train / validation), pooled states of every context, or with
    ``compressor.pooling=attention`` the states of every context token (cached on disk);
 2. stage 1, `CompressorModule`: the beta-VAE on standardised pooled states
-   (reconstruction + beta * KL with a linear warm-up); an attention pooler is untrained here
-   and returns copies of the mean, so stage 1 sees what the spec's mean pool gives;
+   (reconstruction + beta * KL with a linear warm-up); an untrained attention pooler returns
+   copies of the mean, so without the answer head stage 1 sees what the spec's mean pool gives;
+   with ``compressor.probe_weight > 0`` a small answer head reads [mu ; question features] and
+   its cross-entropy joins the loss, so the latent (and the attention pooler) learn what the
+   answers need without an LM forward;
 3. stage 2, `HandoffModule`, once per variant with the same recipe and step budget:
    - ``ilcp``: z = mu of the encoder -> projector -> K memory vectors + question prompt
      (the attention pooler, when configured, learns here with the encoder);
@@ -150,12 +153,53 @@ class HandoffDataModule(L.LightningDataModule):
 # stage 1
 
 
-class CompressorModule(L.LightningModule):
-    """The beta-VAE: MSE of standardised pooled states + beta * KL (warm-up from 0)."""
+def question_features(lm: LM, questions: list[str]) -> Tensor:
+    """Mean input embedding of each question's tokens: (N, H) float32, no LM forward."""
+    table = lm.model.get_input_embeddings().weight.detach().float().cpu()
+    ids = lm.tokenizer(list(questions), add_special_tokens=False)["input_ids"]
+    return torch.stack([table[torch.tensor(seq or [0])].mean(0) for seq in ids])
 
-    def __init__(self, vae: BetaVAE, cfg: CompressorConfig):
+
+class StageOneRows(Dataset):
+    """HandoffRows plus standardised question features (N, H) and answer classes (N,), -100 for
+    an answer the training split never gives."""
+
+    def __init__(self, rows: HandoffRows, features: Tensor, labels: Tensor):
+        self.rows, self.features, self.labels = rows, features, labels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.rows[i], "features": self.features[i], "label": self.labels[i]}
+
+
+def collate_stage_one(items: list[dict]) -> dict:
+    batch = collate_rows(items)
+    batch["features"] = torch.stack([it["features"] for it in items])
+    batch["label"] = torch.stack([it["label"] for it in items])
+    return batch
+
+
+class CompressorModule(L.LightningModule):
+    """The beta-VAE: MSE of standardised pooled states + beta * KL (warm-up from 0).
+
+    With ``cfg.probe_weight > 0`` an answer head reads [mu ; question features] and its
+    cross-entropy, times the weight, joins the loss; the head is dropped after stage 1. The
+    attention pooler (if any) learns only then, from that cross-entropy: the reconstruction
+    target is its output, detached.
+    """
+
+    def __init__(self, vae: BetaVAE, cfg: CompressorConfig, pooler: AttentionPooler | None = None,
+                 question_dim: int = 0, num_answers: int = 0):
         super().__init__()
-        self.vae, self.cfg = vae, cfg
+        self.vae, self.cfg, self.pooler = vae, cfg, pooler
+        self.head = None
+        if cfg.probe_weight > 0:
+            self.head = nn.Sequential(nn.Linear(vae.latent_dim + question_dim, cfg.hidden_dim), nn.SiLU(),
+                                      nn.Linear(cfg.hidden_dim, num_answers))
+        elif pooler is not None:
+            pooler.requires_grad_(False)  # nothing would teach it: it stays the mean
         self._val_mu: list[Tensor] = []
 
     def kl_weight(self) -> float:
@@ -163,16 +207,41 @@ class CompressorModule(L.LightningModule):
             return self.vae.beta
         return self.vae.beta * min(1.0, self.global_step / self.cfg.kl_warmup_steps)
 
+    def _losses(self, batch) -> dict[str, Tensor]:
+        if "tokens" in batch:
+            pooled = (self.pooler(batch["tokens"], batch["token_mask"]) if self.pooler is not None
+                      else masked_mean_pool(batch["tokens"], batch["token_mask"]))
+        else:
+            pooled = batch["pooled"]
+        out = self.vae(pooled.detach() if self.head is None else pooled)
+        recon = torch.mean((out.reconstruction - out.target.detach()) ** 2)
+        losses = {"recon": recon, "kl": out.kl, "mu": out.mu}
+        if self.head is not None:
+            logits = self.head(torch.cat([out.mu, batch["features"]], dim=-1))
+            labels = batch["label"]
+            losses["probe_ce"] = F.cross_entropy(logits, labels, ignore_index=-100)
+            known = labels != -100
+            hits = (logits.argmax(-1)[known] == labels[known]).float()
+            losses["probe_accuracy"] = hits.mean() if known.any() else recon.new_zeros(())
+        return losses
+
     def training_step(self, batch, batch_idx):
-        out = self.vae(batch[0])
-        loss = out.recon + self.kl_weight() * out.kl
-        self.log_dict({"train/loss": loss, "train/recon": out.recon, "train/kl": out.kl}, prog_bar=True)
+        out = self._losses(batch)
+        loss = out["recon"] + self.kl_weight() * out["kl"]
+        logged = {"train/loss": loss, "train/recon": out["recon"], "train/kl": out["kl"]}
+        if self.head is not None:
+            loss = loss + self.cfg.probe_weight * out["probe_ce"]
+            logged.update({"train/probe_ce": out["probe_ce"], "train/probe_accuracy": out["probe_accuracy"]})
+        self.log_dict(logged, prog_bar=True, batch_size=len(batch["answer"]))
         return loss
 
     def validation_step(self, batch, batch_idx):
-        out = self.vae(batch[0])
-        self._val_mu.append(out.mu.detach())
-        self.log_dict({"val/recon": out.recon, "val/kl": out.kl, "val/loss": out.recon + self.vae.beta * out.kl})
+        out = self._losses(batch)
+        self._val_mu.append(out["mu"].detach())
+        logged = {"val/recon": out["recon"], "val/kl": out["kl"], "val/loss": out["recon"] + self.vae.beta * out["kl"]}
+        if self.head is not None:
+            logged.update({"val/probe_ce": out["probe_ce"], "val/probe_accuracy": out["probe_accuracy"]})
+        self.log_dict(logged, batch_size=len(batch["answer"]))
 
     def on_validation_epoch_end(self):
         if self._val_mu:
@@ -180,7 +249,7 @@ class CompressorModule(L.LightningModule):
         self._val_mu.clear()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.vae.parameters(), lr=self.cfg.lr)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,32 +512,61 @@ def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | None:
     return AttentionPooler(state_dim, cfg.compressor.pool_queries)
 
 
-def train_compressor(cfg: TrainConfig, train: HandoffRows, val: HandoffRows, resume: bool,
+def stage_one_rows(lm: LM, train: HandoffRows, val: HandoffRows) -> tuple[StageOneRows, StageOneRows, int]:
+    """Stage-1 rows with question features (standardised with train statistics) and answer
+    classes; returns (train, validation, number of answer classes)."""
+    answers = sorted({r["answer"].strip() for r in train.rows})
+    index = {a: i for i, a in enumerate(answers)}
+    feats = [question_features(lm, [r["question"] for r in rows.rows]) for rows in (train, val)]
+    # Questions share most of their tokens: standardising brings out the words that differ,
+    # such as the name asked about.
+    mean, std = feats[0].mean(0), feats[0].std(0).clamp(min=1e-6) if len(train) > 1 else torch.ones(feats[0].shape[1])
+    out = []
+    for rows, f in zip((train, val), feats):
+        labels = torch.tensor([index.get(r["answer"].strip(), -100) for r in rows.rows], dtype=torch.long)
+        out.append(StageOneRows(rows, (f - mean) / std, labels))
+    return out[0], out[1], len(answers)
+
+
+def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffRows, resume: bool,
                      pooler: AttentionPooler | None = None) -> tuple[BetaVAE, dict]:
+    """Stage 1; trains `pooler` in place when the answer head is on."""
     stage_dir = cfg.run_dir / "stages" / "compressor"
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
-    train_pooled, val_pooled = pooled_inputs(train, pooler), pooled_inputs(val, pooler)
+    train_pooled = pooled_inputs(train, pooler)
     vae = BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta)
     if resume and done.is_file():
-        vae.load_state_dict(load_file(str(done)))
+        state = load_file(str(done))
+        vae.load_state_dict({k[len("compressor."):]: v for k, v in state.items() if k.startswith("compressor.")})
+        if pooler is not None:
+            pooler.load_state_dict({k[len("pooler."):]: v for k, v in state.items() if k.startswith("pooler.")})
         _say("stage 1 (compressor): finished earlier, loaded")
         return vae, json.loads((stage_dir / "metrics.json").read_text())
     L.seed_everything(cfg.trainer.seed, verbose=False)
     vae.set_standardisation(train_pooled)
-    module = CompressorModule(vae, c)
+    train_1, val_1, n_answers = stage_one_rows(lm, train, val)
+    module = CompressorModule(vae, c, pooler, question_dim=train_1.features.shape[1], num_answers=n_answers)
     tr, fr = parameter_counts(module)
-    _say(f"stage 1 (compressor): {tr:,} trainable parameters, {fr:,} frozen; {c.epochs} epochs")
+    head = f"; answer head over {n_answers} answers, weight {c.probe_weight}" if module.head is not None else ""
+    _say(f"stage 1 (compressor): {tr:,} trainable parameters, {fr:,} frozen; {c.epochs} epochs{head}")
     g = torch.Generator().manual_seed(cfg.trainer.seed)
-    loader = DataLoader(TensorDataset(train_pooled), batch_size=c.batch_size, shuffle=True, generator=g)
-    val_loader = DataLoader(TensorDataset(val_pooled), batch_size=max(len(val), 1))
+    loader = DataLoader(train_1, batch_size=c.batch_size, shuffle=True, generator=g, collate_fn=collate_stage_one)
+    val_loader = DataLoader(val_1, batch_size=c.batch_size, collate_fn=collate_stage_one)
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), save_last=True, save_top_k=0)
     trainer = _trainer(cfg, stage_dir, "compressor", [ckpt], max_epochs=c.epochs,
                        check_val_every_n_epoch=max(1, c.epochs // 6))
     trainer.fit(module, loader, val_loader, ckpt_path=_last_ckpt(stage_dir) if resume else None)
+    if pooler is not None:
+        pooler.requires_grad_(True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    atomic_save_safetensors(vae.state_dict(), done)
+    state = {f"compressor.{k}": v for k, v in vae.state_dict().items()}
+    if pooler is not None:
+        state.update({f"pooler.{k}": v for k, v in pooler.state_dict().items()})
+    atomic_save_safetensors(state, done)
     atomic_write_json(stage_dir / "metrics.json", metrics)
+    if module.head is not None:
+        _say(f"stage 1 (compressor): validation answer-head accuracy {metrics.get('val/probe_accuracy', float('nan')):.3f}")
     return vae, metrics
 
 
@@ -553,7 +651,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     vae, compressor_metrics = None, {}
     pooler = make_pooler(cfg, train_rows.state_dim)
     if "ilcp" in cfg.handoff.variants:
-        vae, compressor_metrics = train_compressor(cfg, train_rows, val_rows, resume, pooler)
+        vae, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume, pooler)
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     modules, variant_metrics = {}, {}
     for variant in cfg.handoff.variants:

@@ -147,11 +147,16 @@ def test_every_shipped_config_parses(path):
         ("data.val_decode_size=500", "data.val_decode_size"),
         ("compressor.pooling=max", "compressor.pooling"),
         ("compressor.pool_queries=0", "compressor.pool_queries"),
+        ("compressor.probe_weight=-1", "compressor.probe_weight"),
     ],
 )
 def test_bad_config_is_a_value_error_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_config(None, [override])
+
+
+def test_float_fields_accept_exponents_without_a_dot():
+    assert load_config(None, ["handoff.encoder_lr=3e-3"]).handoff.encoder_lr == 0.003
 
 
 def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
@@ -238,3 +243,37 @@ def test_attention_run_reloads_to_the_same_memory_vectors(attention_run, tiny_lm
         expected, _ = module.memory(module.pooled({"tokens": states, "token_mask": mask}))
         got = run.projector(run.compressor.latent(run.pooler(states, mask)), dtype=expected.dtype)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_stage_one_without_the_answer_head_leaves_the_pooler_at_the_mean(attention_run):
+    from safetensors.torch import load_file
+
+    _, result = attention_run
+    stage_one = load_file(str(result.run_dir / "stages" / "compressor" / "compressor.safetensors"))
+    assert torch.equal(stage_one["pooler.score.weight"], torch.zeros_like(stage_one["pooler.score.weight"]))
+    assert "val/probe_accuracy" not in result.metrics["compressor"]
+
+
+def test_answer_head_trains_the_pooler_in_stage_one_and_is_not_exported(tmp_path, tiny_lm):
+    from safetensors.torch import load_file
+
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "compressor.pooling=attention",
+                             "compressor.probe_weight=1.0", "handoff.finetune_encoder=false", "handoff.variants=[ilcp]"])
+    result = train(cfg, lm=tiny_lm)
+    assert 0.0 <= result.metrics["compressor"]["val/probe_accuracy"] <= 1.0
+    stage_one = load_file(str(result.run_dir / "stages" / "compressor" / "compressor.safetensors"))
+    assert stage_one["pooler.score.weight"].abs().sum() > 0, "the answer head's loss reached the pooler"
+    exported = load_file(str(result.run_dir / "model.safetensors"))
+    assert not any(k.startswith("head.") or ".head." in k for k in exported)
+    # the encoder is frozen in stage 2 (finetune_encoder=false): the export holds stage 1's pooler
+    torch.testing.assert_close(exported["pooler.score.weight"], stage_one["pooler.score.weight"])
+
+
+def test_question_features_are_standardised_on_train_and_unseen_answers_ignored(tiny_lm):
+    rows = [{"context": "John went home.", "question": q, "answer": a}
+            for q, a in [("Where is John?", "home"), ("Where is Mary?", "garden"), ("Where is Sandra?", "home")]]
+    train_rows = training.HandoffRows(rows, torch.zeros(3, 4))
+    val_rows = training.HandoffRows([{**rows[0], "answer": "moon"}], torch.zeros(1, 4))
+    tr, va, n = training.stage_one_rows(tiny_lm, train_rows, val_rows)
+    assert n == 2 and tr.labels.tolist() == [1, 0, 1] and va.labels.tolist() == [-100]
+    torch.testing.assert_close(tr.features.mean(0), torch.zeros(tiny_lm.hidden_size), atol=1e-5, rtol=0)
