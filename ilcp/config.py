@@ -45,8 +45,8 @@ class DataConfig:
     task: str = _f("babi:1", "training task: 'babi:N' or 'facts'")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
-    val_size: int = _f(128, "validation rows for the teacher-forced loss")
-    val_decode_size: int = _f(64, "validation rows decoded greedily for exact match (a fixed subset)")
+    val_size: int = _f(256, "validation rows for the teacher-forced loss")
+    val_decode_size: int = _f(256, "validation rows decoded greedily for exact match (a fixed subset)")
     facts_n_facts: int = _f(4, "facts task: facts stated in each context")
     facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
     max_length: int = _f(512, "context tokens pooled (longer contexts keep their last tokens)")
@@ -77,9 +77,9 @@ class CompressorConfig:
     epochs: int = _f(30, "stage-1 epochs over the training pooled states")
     batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
-    pooling: str = _f("mean", "sender summary: 'mean' (masked mean, the spec) or 'attention' (learned queries)")
+    pooling: str = _f("attention", "sender summary: 'attention' (learned queries) or 'mean' (masked mean, the spec)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
-    probe_weight: float = _f(0.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
+    probe_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
                                   "[z ; question]: answers shape the latent without the LM (0 = the spec)")
 
     def __post_init__(self):

@@ -13,7 +13,7 @@ from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
-from ilcp.pooling import pooled_states
+from ilcp.pooling import pooled_states, token_states
 from ilcp.prompts import question_prompt
 from ilcp.training import train
 from ilcp.transport import PayloadError, TransportPayload, pack
@@ -39,11 +39,17 @@ def handoff(run_dir, tiny_lm):
 
 
 def modules_directly(run_dir: Path, lm: LM, context: str, question: str):
-    """z (1, Z) and the receiver prefix, by the training path: pooled_states -> encoder -> projector."""
+    """z (1, Z) and the receiver prefix, by the training path: pooled (mean, or the pooler over the
+    token states) -> encoder -> projector."""
     run = read_export(run_dir)
     pooling = run.config["pooling"]
-    pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
-                           progress=False)
+    if run.pooler is None:
+        pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
+                               progress=False)
+    else:
+        rows = token_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"], progress=False)
+        with torch.no_grad():
+            pooled = run.pooler(rows[0].unsqueeze(0), torch.ones(1, rows[0].shape[0], dtype=torch.long))
     with torch.no_grad():
         z = run.compressor.latent(pooled)
         memory = run.projector(z, dtype=lm.dtype)
@@ -142,7 +148,7 @@ def test_save_pretrained_round_trip_writes_only_the_trained_modules(handoff, tin
     out = handoff.save_pretrained(tmp_path / "export")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     state = load_file(str(out / "model.safetensors"))
-    assert state and all(k.startswith(("compressor.", "projector.")) for k in state)
+    assert state and all(k.startswith(("compressor.", "projector.", "pooler.")) for k in state)
     embed_shape = tuple(tiny_lm.model.get_input_embeddings().weight.shape)
     assert all(tuple(v.shape) != embed_shape for v in state.values())
     assert sum(v.numel() for v in state.values()) < sum(p.numel() for p in tiny_lm.model.parameters())
@@ -176,13 +182,15 @@ def test_bad_inputs_are_value_errors(handoff):
     with pytest.raises(ValueError, match="pooled states"):
         handoff.send(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="payload dtype"):
-        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, payload_dtype="int8")
+        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, pooler=handoff.pooler,
+                    payload_dtype="int8")
     with pytest.raises(ValueError, match="question"):
         handoff.receive(handoff.send(CONTEXTS[0]), [])
 
 
 def test_half_precision_payload_is_smaller(handoff):
-    half = ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, payload_dtype="float16")
+    half = ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, pooler=handoff.pooler,
+                       payload_dtype="float16")
     payload = half.send(CONTEXTS[0])
     assert payload.dtype == "float16" and half.payload_bytes == 2 * half.latent_dim
     assert len(payload.to_bytes()) == half.wire_bytes == handoff.wire_bytes - 2 * half.latent_dim
@@ -198,7 +206,8 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     from ilcp.pooling import pad_token_states, token_states
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "compressor.pooling=attention", "handoff.variants=[ilcp]", "handoff.encoder_lr=0.01"])
+                             "compressor.pooling=attention", "compressor.probe_weight=0", "handoff.variants=[ilcp]",
+                             "handoff.encoder_lr=0.01"])
     result = train(cfg, lm=tiny_lm)
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
     assert handoff.pooler is not None

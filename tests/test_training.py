@@ -58,7 +58,7 @@ def test_export_holds_no_lm_weights(tiny_run, tiny_lm):
 
     lm_shapes = {tuple(p.shape) for p in tiny_lm.model.parameters()}
     state = load_file(str(result.run_dir / "model.safetensors"))
-    assert all(k.startswith(("compressor.", "projector.")) for k in state)
+    assert all(k.startswith(("compressor.", "projector.", "pooler.")) for k in state)
     assert "compressor.input_mean" in state and "compressor.input_std" in state
     embed_shape = tuple(tiny_lm.model.get_input_embeddings().weight.shape)
     assert all(tuple(v.shape) != embed_shape for v in state.values())
@@ -161,7 +161,7 @@ def test_float_fields_accept_exponents_without_a_dot():
 
 def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
     with pytest.raises(ValueError, match=r"compressor\.pooling=attention needs handoff\.finetune_encoder"):
-        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false"])
+        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false", "compressor.probe_weight=0"])
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
@@ -211,7 +211,8 @@ def test_default_yaml_mirrors_the_built_in_defaults():
 def attention_run(tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("attention-runs")
     cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.pooling=attention",
-                             "compressor.pool_queries=3", "handoff.variants=[ilcp]", "handoff.encoder_lr=0.01"])
+                             "compressor.pool_queries=3", "compressor.probe_weight=0", "handoff.variants=[ilcp]",
+                             "handoff.encoder_lr=0.01"])
     return cfg, train(cfg, lm=tiny_lm)
 
 
