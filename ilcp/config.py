@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -161,7 +162,8 @@ class TrainConfig:
         if self.handoff.joint_kl_weight > 0 and not self.handoff.finetune_encoder:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
         c = self.compressor
-        if c.pooling == "attention" and not (self.handoff.finetune_encoder or c.probe_weight > 0):
+        if (c.pooling == "attention" and "ilcp" in self.handoff.variants
+                and not (self.handoff.finetune_encoder or c.probe_weight > 0)):
             raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true or "
                              "compressor.probe_weight > 0 (the pooler's queries learn from answers only)")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
@@ -242,13 +244,13 @@ def _coerce(value, hint, name: str):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
     elif hint is str:
         if isinstance(value, str):
             return value

@@ -93,6 +93,8 @@ class ILCPHandoff:
         self.layers = tuple(int(i) for i in pooling.get("layers", [-1]))
         self.max_length = int(pooling.get("max_length", 512))
         kind = pooling.get("kind", "masked_mean")
+        if kind not in ("masked_mean", "attention"):
+            raise ExportError(f"unknown pooling kind {kind!r} in the config (this package reads masked_mean, attention)")
         if (kind == "attention") != (pooler is not None):
             raise ExportError(f"config.json names pooling {kind!r}, but "
                               f"{'no' if pooler is None else 'an attention'} pooler was given")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -17,10 +17,18 @@ from torch import Tensor
 def _atomic(path: Path, write) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    # Created like open() would create it (0666 less the umask), not mkstemp's 0600.
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
+    mode = os.stat(tmp).st_mode
     try:
-        write(tmp)
+        write(str(tmp))
+        os.chmod(tmp, mode)  # some writers (safetensors) replace the file with a 0600 one
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

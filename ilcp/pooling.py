@@ -33,6 +33,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -71,8 +72,9 @@ class AttentionPooler(nn.Module):
     Each of ``num_queries`` queries scores every real token from its layer-normalised state and
     takes the softmax-weighted mean of the raw states; the query outputs are concatenated. The
     scoring weights start at zero, so an untrained pooler returns ``num_queries`` copies of the
-    masked mean: the VAE of stage 1 trains on exactly that, and the answer loss of stage 2
-    teaches the queries which tokens to read.
+    masked mean (the spec's summary); answer losses (stage 1's answer head, stage 2's LM loss)
+    teach the queries which tokens to read. It computes in float32 whatever the parameters' or
+    the states' dtype, and under autocast too, so training and inference pool alike.
 
     Args:
         dim: D, the width of a token state (hidden size x number of layers).
@@ -84,7 +86,6 @@ class AttentionPooler(nn.Module):
         if int(dim) < 1 or int(num_queries) < 1:
             raise ValueError(f"dim and num_queries must be >= 1, got {dim} and {num_queries}")
         self.dim, self.num_queries = int(dim), int(num_queries)
-        self.norm = nn.LayerNorm(self.dim, elementwise_affine=False)
         self.score = nn.Linear(self.dim, self.num_queries, bias=False)  # a bias cancels in the softmax
         nn.init.zeros_(self.score.weight)
 
@@ -104,13 +105,16 @@ class AttentionPooler(nn.Module):
                 f"attention_mask {tuple(attention_mask.shape)} does not match token states {tuple(states.shape)}"
             )
         real = attention_mask.bool().unsqueeze(-1)
-        logits = self.score(self.norm(states.float())).masked_fill(~real, float("-inf"))
-        return torch.nan_to_num(logits.softmax(dim=1), nan=0.0)
+        with torch.autocast(states.device.type, enabled=False):
+            normed = F.layer_norm(states.float(), (self.dim,))
+            logits = F.linear(normed, self.score.weight.float()).masked_fill(~real, float("-inf"))
+            return torch.nan_to_num(logits.softmax(dim=1), nan=0.0)
 
     def forward(self, states: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, S, D) token states and (B, S) mask -> (B, Q * D) float32."""
         w = self.weights(states, attention_mask)
-        pooled = torch.einsum("bsq,bsd->bqd", w, states.float())
+        with torch.autocast(states.device.type, enabled=False):
+            pooled = torch.einsum("bsq,bsd->bqd", w, states.float())
         return pooled.reshape(states.shape[0], self.output_dim)
 
 

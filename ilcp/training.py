@@ -42,7 +42,7 @@ from lightning.pytorch.loggers import CSVLogger
 from safetensors.torch import load_file
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from . import prompts
 from .compat import logits_to_keep_kwargs
@@ -186,8 +186,8 @@ class CompressorModule(L.LightningModule):
 
     With ``cfg.probe_weight > 0`` an answer head reads [mu ; question features] and its
     cross-entropy, times the weight, joins the loss; the head is dropped after stage 1. The
-    attention pooler (if any) learns only then, from that cross-entropy: the reconstruction
-    target is its output, detached.
+    attention pooler (if any) learns in stage 1 only then; the reconstruction target is its
+    output detached, so the pooler is not pulled towards outputs that are easy to reconstruct.
     """
 
     def __init__(self, vae: BetaVAE, cfg: CompressorConfig, pooler: AttentionPooler | None = None,
@@ -219,10 +219,12 @@ class CompressorModule(L.LightningModule):
         if self.head is not None:
             logits = self.head(torch.cat([out.mu, batch["features"]], dim=-1))
             labels = batch["label"]
-            losses["probe_ce"] = F.cross_entropy(logits, labels, ignore_index=-100)
             known = labels != -100
-            hits = (logits.argmax(-1)[known] == labels[known]).float()
-            losses["probe_accuracy"] = hits.mean() if known.any() else recon.new_zeros(())
+            if known.any():
+                losses["probe_ce"] = F.cross_entropy(logits[known], labels[known])
+                losses["probe_accuracy"] = (logits.argmax(-1)[known] == labels[known]).float().mean()
+            else:  # no answer the head knows (a tiny validation split): nothing to score
+                losses["probe_ce"] = losses["probe_accuracy"] = logits.sum() * 0.0
         return losses
 
     def training_step(self, batch, batch_idx):
@@ -285,6 +287,8 @@ class HandoffModule(L.LightningModule):
             self.vae = vae
             self.vae.requires_grad_(cfg.finetune_encoder)
             self.pooler = pooler
+            if pooler is not None:
+                pooler.requires_grad_(cfg.finetune_encoder)
             self.projector = GatedLatentToMemoryProjector(vae.latent_dim, cfg.num_memory_tokens, hidden, cfg.projector_hidden)
             self.projector.calibrate_output_norm(target_norm)
         else:
@@ -491,7 +495,7 @@ def prepare_data(cfg: TrainConfig, lm: LM):
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
         t0 = time.perf_counter()
-        tokens = cfg.compressor.pooling == "attention"
+        tokens = cfg.compressor.pooling == "attention" and "ilcp" in cfg.handoff.variants
         extract = cached_token_states if tokens else cached_pooled_states
         states, path, hit = extract(
             lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
@@ -530,7 +534,11 @@ def stage_one_rows(lm: LM, train: HandoffRows, val: HandoffRows) -> tuple[StageO
 
 def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffRows, resume: bool,
                      pooler: AttentionPooler | None = None) -> tuple[BetaVAE, dict]:
-    """Stage 1; trains `pooler` in place when the answer head is on."""
+    """Stage 1; trains `pooler` in place when the answer head is on.
+
+    The VAE's standardisation statistics come from the untrained pooler (the mean repeated Q
+    times); a pooler trained afterwards moves away from them, and the encoder, trained with it,
+    absorbs the difference."""
     stage_dir = cfg.run_dir / "stages" / "compressor"
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
@@ -538,6 +546,9 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     vae = BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta)
     if resume and done.is_file():
         state = load_file(str(done))
+        if not any(k.startswith("compressor.") for k in state):
+            raise ValueError(f"{done} was written by an older version of this package: train the run again "
+                             "with --overwrite")
         vae.load_state_dict({k[len("compressor."):]: v for k, v in state.items() if k.startswith("compressor.")})
         if pooler is not None:
             pooler.load_state_dict({k[len("pooler."):]: v for k, v in state.items() if k.startswith("pooler.")})
@@ -649,7 +660,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     _say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
     train_rows, val_rows = prepare_data(cfg, lm)
     vae, compressor_metrics = None, {}
-    pooler = make_pooler(cfg, train_rows.state_dim)
+    pooler = make_pooler(cfg, train_rows.state_dim) if train_rows.tokens else None
     if "ilcp" in cfg.handoff.variants:
         vae, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume, pooler)
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)

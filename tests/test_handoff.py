@@ -229,3 +229,24 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     # the modules without their pooler do not fit the config
     with pytest.raises(ExportError, match="pooler"):
         ILCPHandoff(tiny_lm, handoff.compressor, handoff.projector, handoff.config)
+
+
+def test_mean_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
+                             "compressor.pooling=mean", "compressor.probe_weight=0", "handoff.variants=[ilcp]"])
+    run_dir = train(cfg, lm=tiny_lm).run_dir
+    handoff = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
+    assert handoff.pooler is None and handoff.config["pooling"]["kind"] == "masked_mean"
+    z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[1], QUESTIONS[1])
+    payload = handoff.send(CONTEXTS[1])
+    torch.testing.assert_close(payload.latent, z[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(handoff.prefixes(payload, [QUESTIONS[1]])[0], expected_prefix, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_pooling_kind_is_refused(handoff):
+    import copy
+
+    config = copy.deepcopy(handoff.config)
+    config["pooling"]["kind"] = "max"
+    with pytest.raises(ExportError, match="pooling kind"):
+        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, config)

@@ -203,3 +203,23 @@ def test_token_state_cache_round_trip(tiny_lm, tmp_path):
     # the pooled cache of the same rows is a different file
     _, pooled_path, pooled_hit = cached_pooled_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
     assert not pooled_hit and pooled_path != path
+
+
+def test_attention_pooler_computes_in_float32_under_bf16_weights_and_autocast():
+    torch.manual_seed(0)
+    states = torch.randn(2, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    pooler = pooling.AttentionPooler(8, 2)
+    with torch.no_grad():
+        pooler.score.weight.normal_()
+    expected = pooler(states, mask)
+    half = pooling.AttentionPooler(8, 2)
+    half.load_state_dict(pooler.state_dict())
+    half = half.to(torch.bfloat16)
+    got = half(states.to(torch.bfloat16), mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = pooler(states, mask)
+    assert under.dtype == torch.float32
+    torch.testing.assert_close(under, expected)
