@@ -543,6 +543,9 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
     train_pooled = pooled_inputs(train, pooler)
+    # Seeded before the VAE is built: its initialisation must not depend on what ran earlier in
+    # the process (loading or converting the LM draws random numbers too).
+    L.seed_everything(cfg.trainer.seed, verbose=False)
     vae = BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta)
     if resume and done.is_file():
         state = load_file(str(done))
@@ -554,7 +557,6 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
             pooler.load_state_dict({k[len("pooler."):]: v for k, v in state.items() if k.startswith("pooler.")})
         _say("stage 1 (compressor): finished earlier, loaded")
         return vae, json.loads((stage_dir / "metrics.json").read_text())
-    L.seed_everything(cfg.trainer.seed, verbose=False)
     vae.set_standardisation(train_pooled)
     train_1, val_1, n_answers = stage_one_rows(lm, train, val)
     module = CompressorModule(vae, c, pooler, question_dim=train_1.features.shape[1], num_answers=n_answers)

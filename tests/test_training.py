@@ -344,3 +344,19 @@ def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):
     HandoffModule("ilcp", tiny_lm, HandoffConfig(finetune_encoder=False), vae=BetaVAE(2 * tiny_lm.hidden_size, 4, 16),
                   pooler=pooler)
     assert not any(p.requires_grad for p in pooler.parameters())
+
+
+def test_stage_one_does_not_depend_on_random_numbers_drawn_before_it(tmp_path, tiny_lm):
+    from safetensors.torch import load_file
+
+    base = [f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp]", "handoff.max_steps=1",
+            "handoff.val_every_steps=1"]
+    weights = []
+    for i in range(2):
+        torch.manual_seed(100 + i)
+        torch.rand(1000 * (i + 1))  # what an LM load or conversion might draw
+        result = train(load_config(TINY, base + [f"out_dir={tmp_path / str(i)}"]), lm=tiny_lm)
+        weights.append(load_file(str(result.run_dir / "stages" / "compressor" / "compressor.safetensors")))
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:
+        assert torch.equal(weights[0][k], weights[1][k]), k
