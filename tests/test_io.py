@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ilcp.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from ilcp.io import atomic_save_safetensors, atomic_write_json
 
 
 def test_written_files_get_the_umask_permissions_not_mkstemps_0600(tmp_path):

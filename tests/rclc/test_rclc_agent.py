@@ -250,7 +250,7 @@ def test_failed_pop_keeps_queue_and_pending(model, tokenizer, history_x, history
     with pytest.raises(TypeError):
         y.pop(prompt=3.5)
     assert _snapshot(y) == kept and len(y) == 1
-    inputs = y.pop()
+    y.pop()
     kept = _snapshot(y)
     with pytest.raises(RuntimeError):
         y.pop()
