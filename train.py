@@ -28,7 +28,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:  # an existing run, a stale stage file, an empty task split
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -360,3 +360,20 @@ def test_stage_one_does_not_depend_on_random_numbers_drawn_before_it(tmp_path, t
     assert weights[0].keys() == weights[1].keys()
     for k in weights[0]:
         assert torch.equal(weights[0][k], weights[1][k]), k
+
+
+def test_train_py_reports_a_stale_stage_file_as_an_error_not_a_traceback(tmp_path, capsys):
+    import importlib.util
+
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--config", str(TINY), f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp]"]
+    assert script.main(args) == 0
+    marker = tmp_path / "tiny" / "stages" / "compressor" / "compressor.safetensors"
+    old = {k[len("compressor."):]: v for k, v in load_file(str(marker)).items() if k.startswith("compressor.")}
+    save_file(old, str(marker))  # the unprefixed layout of earlier versions
+    assert script.main(args + ["--resume"]) == 2
+    assert "older version" in capsys.readouterr().err
