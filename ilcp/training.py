@@ -49,7 +49,7 @@ from .compat import logits_to_keep_kwargs
 from .compressor import BetaVAE, active_units
 from .config import CompressorConfig, HandoffConfig, TrainConfig, save_config
 from .decoding import assemble_prefix, greedy_decode, left_pad
-from .evaluation.metrics import exact_match
+from .metrics import exact_match
 from .io import atomic_save_safetensors, atomic_write_json
 from .lm import LM, load_lm
 from .pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, masked_mean_pool,

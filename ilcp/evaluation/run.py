@@ -37,7 +37,7 @@ from ..lm import LM, load_lm
 from ..tasks import babi_file, count_tokens, facts_for_length, load_babi, make_facts
 from .methods import (DEFAULT_METHODS, EvalContext, HandoffMethod, MethodUnavailable, expand_method_names,
                       make_method)
-from .metrics import contains_answer, exact_match, token_f1
+from ..metrics import contains_answer, exact_match, token_f1
 from ..io import atomic_write_text
 from .report import bootstrap_interval, latency_summary, write_report
 
