@@ -210,7 +210,7 @@ class ILCPHandoff:
         return self.projector.num_memory_tokens
 
     @property
-    def payload_bytes(self) -> int:
+    def tensor_bytes(self) -> int:
         """Tensor bytes of one latent: latent_dim x element size (128 for 32 x float32)."""
         return latent_payload_bytes(self.latent_dim, self.payload_dtype)
 

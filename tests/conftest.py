@@ -1,9 +1,25 @@
-"""Shared fixtures: the tiny random Qwen3 (hidden 64, 2 layers) and, for the few integration
-tests marked slow, the embedded SmolLM2."""
+"""Shared fixtures: the tiny random Qwen3 (hidden 64, 2 layers), one tiny training run on it that
+every test reads, and, for the few integration tests marked slow, the embedded SmolLM2."""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from ilcp.config import TrainConfig, load_config
 from ilcp.lm import DEFAULT_LM, TINY_LM, load_lm
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def raw_weight_digest(model) -> str:
+    """sha256 over every tensor of a model's state dict, in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().numpy().tobytes())
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +32,28 @@ def tiny_lm():
 def smollm2():
     """The embedded default LM (converted once into the user's cache)."""
     return load_lm(DEFAULT_LM)
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    """The tiny config trained once per test session; tests must not write into its folder."""
+
+    cfg: TrainConfig
+    result: object  # ilcp.training.TrainResult
+    lm_digest_before: str
+    lm_digest_after: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.result.run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_lm) -> TinyRun:
+    from ilcp.training import train
+
+    out = tmp_path_factory.mktemp("tiny-run")
+    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
+    before = raw_weight_digest(tiny_lm.model)
+    result = train(cfg, lm=tiny_lm)
+    return TinyRun(cfg, result, before, raw_weight_digest(tiny_lm.model))

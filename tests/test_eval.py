@@ -45,10 +45,8 @@ FAST = {"max_new_tokens": 2, "batch_size": 4, "length_n": 1}
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_lm):
-    out = tmp_path_factory.mktemp("eval-run")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
-    return train(cfg, lm=tiny_lm).run_dir
+def run_dir(tiny_run):
+    return tiny_run.run_dir
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,8 @@ def _load_eval_script():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_lm):
-    out = tmp_path_factory.mktemp("rclc-run")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
-    return train(cfg, lm=tiny_lm).run_dir
+def run_dir(tiny_run):
+    return tiny_run.run_dir
 
 
 @pytest.fixture(scope="module")

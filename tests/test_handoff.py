@@ -27,10 +27,8 @@ QUESTIONS = ["Where is John?", "Where is Sandra?"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_lm):
-    out = tmp_path_factory.mktemp("handoff-run")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
-    return train(cfg, lm=tiny_lm).run_dir
+def run_dir(tiny_run):
+    return tiny_run.run_dir
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,7 @@ def test_round_trip_through_bytes_matches_the_modules(handoff, run_dir, tiny_lm)
     assert isinstance(wire, bytes) and len(wire) == handoff.wire_bytes
     received = TransportPayload.from_bytes(wire, expected_fingerprint=tiny_lm.fingerprint)
     assert received.latent.shape == (handoff.latent_dim,)
-    assert received.byte_length() == handoff.payload_bytes == 4 * handoff.latent_dim
+    assert received.byte_length() == handoff.tensor_bytes == 4 * handoff.latent_dim
 
     z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[0], QUESTIONS[0])
     torch.testing.assert_close(received.latent, z[0], rtol=1e-5, atol=1e-5)
@@ -192,7 +190,7 @@ def test_half_precision_payload_is_smaller(handoff):
     half = ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, pooler=handoff.pooler,
                        payload_dtype="float16")
     payload = half.send(CONTEXTS[0])
-    assert payload.dtype == "float16" and half.payload_bytes == 2 * half.latent_dim
+    assert payload.dtype == "float16" and half.tensor_bytes == 2 * half.latent_dim
     assert len(payload.to_bytes()) == half.wire_bytes == handoff.wire_bytes - 2 * half.latent_dim
     assert isinstance(half.receive(payload.to_bytes(), QUESTIONS[0], max_new_tokens=2), str)
 

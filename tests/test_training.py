@@ -1,6 +1,5 @@
 """Stage 1 + stage 2 on the tiny LM: export, reload, frozen LM untouched, resume, configs."""
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -16,22 +15,10 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-def raw_weight_digest(model) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().float().numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_lm):
-    out = tmp_path_factory.mktemp("runs")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}"])
-    before = raw_weight_digest(tiny_lm.model)
-    result = train(cfg, lm=tiny_lm)
-    after = raw_weight_digest(tiny_lm.model)
-    return cfg, result, before, after
+def tiny_run(tiny_run):
+    """(config, result, LM digest before, after) of the session's tiny run."""
+    return tiny_run.cfg, tiny_run.result, tiny_run.lm_digest_before, tiny_run.lm_digest_after
 
 
 def test_tiny_run_exports_every_variant(tiny_run):

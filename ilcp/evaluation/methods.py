@@ -258,7 +258,7 @@ class ILCP(HandoffMethod):
         # Every row's own payload is a single latent: its size, not the batch's, is what one
         # handoff sends.
         return Prefixes(prefixes=prefixes, wire_bytes=[handoff.wire_bytes] * len(rows),
-                        tensor_bytes=[handoff.payload_bytes] * len(rows))
+                        tensor_bytes=[handoff.tensor_bytes] * len(rows))
 
 
 # --------------------------------------------------------------------------------------------
