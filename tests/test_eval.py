@@ -1,6 +1,7 @@
 """eval.py and ilcp.evaluation on a tiny trained run: outputs, metrics, skipped methods, errors,
 the method registry, and the bootstrap."""
 
+import ast
 import importlib.util
 import json
 import shutil
@@ -8,24 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from ilcp.config import load_config
 from ilcp.evaluation import run as eval_run
-from ilcp.evaluation.methods import (
-    DEFAULT_METHODS,
-    ColdRead,
-    HandoffMethod,
-    Sent,
-    make_method,
-    register_method,
-)
-from ilcp.evaluation.methods import _FAMILIES
+from ilcp.evaluation.methods import DEFAULT_METHODS, ColdRead, ILCPMethod
+from ilcp.evaluation.registry import _FAMILIES, EvalContext, HandoffMethod, Sent, make_method, register_method
 from ilcp.evaluation.report import bootstrap_interval, latency_summary
 from ilcp.evaluation.run import evaluate
-from ilcp.export import ExportError
-from ilcp.training import train
+from ilcp.export import ExportError, read_export
+from ilcp.handoff import ILCPHandoff
+from ilcp.tasks import make_facts
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "configs" / "tiny.yaml"
+EVALUATION = REPO / "ilcp" / "evaluation"
 
 
 def _load_eval_script():
@@ -153,7 +147,7 @@ class Head(HandoffMethod):
 
     def send(self, row):
         data = " ".join(row["context"].split()[: self.words]).encode()
-        return Sent(message=data, wire_bytes=len(data))
+        return Sent(handed_over=data, wire_bytes=len(data))
 
     def receive(self, sent, row):
         return self.text.receive(sent, row)
@@ -208,3 +202,102 @@ def test_bootstrap_interval_is_seeded_and_contains_the_mean():
     assert bootstrap_interval([1.0, 1.0]) == (1.0, 1.0)
     summary = latency_summary([0.1, 0.2, 0.3, 10.0])
     assert summary["n"] == 4 and summary["p50"] == pytest.approx(0.25) and summary["p99"] > 9.0
+
+
+def _evaluation_imports() -> dict[str, set[str]]:
+    """For each module of ilcp/evaluation, the ilcp.evaluation modules its import statements name."""
+    modules = {f"ilcp.evaluation.{p.stem}" if p.stem != "__init__" else "ilcp.evaluation": p
+               for p in EVALUATION.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_evaluation_modules_import_without_a_cycle():
+    graph = _evaluation_imports()
+    assert {"ilcp.evaluation.registry", "ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"} <= set(graph)
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    # The registry is the bottom of the package; each family imports it and nothing else here.
+    assert graph["ilcp.evaluation.registry"] == set()
+    for family in ("ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"):
+        assert graph[family] == {"ilcp.evaluation.registry"}, family
+    assert {"ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"} <= graph["ilcp.evaluation"]
+
+
+def test_ilcp_method_sends_the_handoff_payload_and_counts_its_bytes(run_dir, tiny_lm):
+    run = read_export(run_dir)
+    handoff = ILCPHandoff(tiny_lm, run.compressor, run.projector, run.config, pooler=run.pooler)
+    method = make_method("ilcp")
+    assert isinstance(method, ILCPMethod)
+    method.bind(EvalContext(lm=tiny_lm, run=run, handoff=handoff))
+    row = {"context": "Mary went to the kitchen. John moved to the garden.", "question": "Where is Mary?"}
+    sent = method.send(row)
+    assert isinstance(sent.handed_over, bytes)
+    assert sent.wire_bytes == len(sent.handed_over) == handoff.wire_bytes
+    assert sent.tensor_bytes == handoff.tensor_bytes == 4 * run.config["latent_dim"]
+    built = method.build_prefixes([row])
+    assert (built.wire_bytes, built.tensor_bytes) == ([sent.wire_bytes], [sent.tensor_bytes])
+
+
+def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkeypatch):
+    facts_run = tmp_path / "facts"
+    shutil.copytree(run_dir, facts_run, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
+    (facts_run / "train_config.yaml").unlink()  # eval reads config.json, not the training YAML
+    config = json.loads((facts_run / "config.json").read_text())
+    config["task"] = "facts"
+    config["task_settings"].update(facts_n_facts=2, facts_n_distractors=1, seed=3)
+    (facts_run / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    results = evaluate(facts_run, methods=["cold_read"], limit=3, latency_n=0, lengths=(), facts_counts=(),
+                       out=out, lm=tiny_lm, **FAST)
+    assert results["tasks"]["facts"]["source"] == "facts test split (2 facts, 1 distractors, seed 3)"
+    expected = make_facts(3, n_facts=2, n_distractors=1, seed=3, split="test").to_list()
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in predictions] == [r["id"] for r in expected]
+    assert [p["question"] for p in predictions] == [r["question"] for r in expected]
+
+    def no_lm(*args, **kwargs):
+        raise AssertionError("a run without task settings must be refused before the LM loads")
+
+    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    del config["task_settings"]["facts_n_distractors"]
+    (facts_run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="task_settings lacks facts_n_distractors"):
+        evaluate(facts_run, methods=["cold_read"])
+    del config["task_settings"]
+    (facts_run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="records no task_settings"):
+        evaluate(facts_run, methods=["cold_read"])
+    config["task"] = "babi:1"  # a bAbI run needs no facts settings unless facts is asked for
+    (facts_run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="records no task_settings"):
+        evaluate(facts_run, methods=["cold_read"], tasks=["facts"])
+    monkeypatch.undo()
+    results = evaluate(facts_run, methods=["cold_read"], limit=2, latency_n=0, lengths=(), lm=tiny_lm, **FAST)
+    assert list(results["tasks"]) == ["babi:1"]

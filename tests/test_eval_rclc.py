@@ -1,6 +1,7 @@
 """The rclc:... rows of eval.py on a tiny trained run: names, payload bytes, placement, budgets,
 the cold-read equivalence at r1, the end-to-end report and the skipped :tuned row."""
 
+import copy
 import importlib.util
 import json
 import math
@@ -10,19 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.config import load_config
+from ilcp import rclc
 from ilcp.decoding import assemble_prefix, greedy_decode
 from ilcp.evaluation import run as eval_run
-from ilcp.evaluation.methods import EvalContext, expand_method_names, make_method, method_groups
-from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_name
+from ilcp.evaluation.registry import EvalContext, expand_method_names, make_method, method_groups
+from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_name, receiver_framing
 from ilcp.evaluation.run import evaluate
 from ilcp.export import read_export
-from ilcp.prompts import context_slot_prompt, question_prompt
+from ilcp.lm import LM
+from ilcp.prompts import cold_read_prompt, context_slot_prompt, question_prompt
+from ilcp.rclc.hf import context_limit
 from ilcp.tasks import load_babi
-from ilcp.training import train
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "configs" / "tiny.yaml"
 FAST = {"max_new_tokens": 3, "batch_size": 4, "lengths": ()}
 METRICS = ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1", "wire_bytes", "tensor_bytes",
            "prefill_positions", "latency")
@@ -96,9 +97,9 @@ def test_payload_bytes_are_rows_times_hidden_times_element_size(ctx, rows):
         for row in rows[:3]:
             sent = method.send(row)
             tokens = len(tok(method.sender_text(row["context"]), add_special_tokens=False)["input_ids"])
-            n = sent.message.positions
+            n = sent.handed_over.positions
             assert n == size(tokens), (name, tokens)
-            element = sent.message.messages[0].rows.element_size()
+            element = sent.handed_over.messages[0].rows.element_size()
             assert element == torch.finfo(ctx.lm.dtype).bits // 8
             assert sent.wire_bytes == sent.tensor_bytes == n * hidden * element
 
@@ -114,7 +115,7 @@ def test_r1_in_prompt_is_the_cold_read(ctx, rows):
         assert torch.equal(a, b)
         ids = ctx.lm.tokenizer(full.sender_text(row["context"]), add_special_tokens=False)["input_ids"]
         sent = full.send(row)
-        assert torch.equal(sent.message.rows(embedding.weight), embedding(torch.tensor(ids)))
+        assert torch.equal(sent.handed_over.rows(embedding.weight), embedding(torch.tensor(ids)))
     model, tok = ctx.lm.model, ctx.lm.tokenizer
     assert greedy_decode(model, tok, cold_prefixes, max_new_tokens=4) == greedy_decode(model, tok, r1.prefixes, max_new_tokens=4)
     for other in ("rclc:qsnap:r1", "rclc:chunkkv:r1"):  # r1 keeps everything whatever the selector
@@ -138,7 +139,7 @@ def test_prefix_placement_and_tuned_vectors(ctx, rows):
     row = rows[0]
     prefix_method = bound("rclc:cacheback:r4:prefix", ctx)
     sent = prefix_method.send(row)
-    rows_in = sent.message.rows(ctx.lm.model.get_input_embeddings().weight)
+    rows_in = sent.handed_over.rows(ctx.lm.model.get_input_embeddings().weight)
     expected = assemble_prefix(ctx.lm.model, ctx.lm.tokenizer, [rows_in, question_prompt(ctx.lm.tokenizer, row["question"])])
     assert torch.equal(prefix_method.receive(sent, row), expected)
     soft = ctx.run.soft_prompts["cold_read_tuned"]
@@ -146,6 +147,58 @@ def test_prefix_placement_and_tuned_vectors(ctx, rows):
     sent = plain.send(row)
     with_soft, without = tuned.receive(sent, row), plain.receive(sent, row)
     assert torch.equal(with_soft[: soft.shape[0]], soft) and torch.equal(with_soft[soft.shape[0]:], without)
+    # The receiver's length check counts the K vectors it does not place itself.
+    assert tuned.receiver.context_limit == context_limit(ctx.lm.model) - soft.shape[0]
+    assert plain.receiver.context_limit == context_limit(ctx.lm.model)
+
+
+@pytest.mark.parametrize("name,placement", [("rclc:cacheback:r4", "in_prompt"), ("rclc:qsnap:b8:prefix", "prefix")])
+def test_receive_is_the_shipped_receiver_path(ctx, rows, name, placement):
+    """eval's prefix is what a user gets from rclc.HFReceiver: transfer into the receiver, then pop()."""
+    method = bound(name, ctx)
+    assert isinstance(method.receiver, rclc.HFReceiver) and method.receiver.placement == placement
+    model, tok = ctx.lm.model, ctx.lm.tokenizer
+    framing = receiver_framing(tok)
+    for row in rows[:3]:
+        receiver = rclc.HFReceiver(model, tok, messages=framing.messages, placement=placement,
+                                   slot_template=framing.slot_template)
+        sender = rclc.sender_from_hf(model, tok, method.sender_text(row["context"]))
+        rclc.transfer_sync(sender, receiver, row["question"].strip(), ratio=method.spec.ratio,
+                           budget=method.spec.budget, selector=method.selector)
+        prompt = framing.question_turn(row["question"]) if placement == "prefix" else None
+        expected = receiver.pop(prompt=prompt)["inputs_embeds"][0]
+        assert torch.equal(method.receive(method.send(row), row), expected)
+        assert len(method.receiver) == 0  # every receive consumes what it queued
+
+
+def test_without_a_chat_template_r1_is_still_the_cold_read(ctx, rows):
+    """The plain-text prompts of ilcp.prompts (no chat template) map onto HFReceiver too."""
+    tok = copy.deepcopy(ctx.lm.tokenizer)
+    tok.chat_template = None
+    plain_ctx = EvalContext(lm=LM(model=ctx.lm.model, tokenizer=tok, spec=ctx.lm.spec), run=ctx.run)
+    framing = receiver_framing(tok)
+    assert framing.messages is None and framing.slot_template.startswith("You are agent B.")
+    full, prefix = bound("rclc:cacheback:r1", plain_ctx), bound("rclc:cacheback:r1:prefix", plain_ctx)
+    model = ctx.lm.model
+    for row in rows[:3]:
+        cold = assemble_prefix(model, tok, [cold_read_prompt(tok, row["context"], row["question"])])
+        assert torch.equal(full.receive(full.send(row), row), cold)
+        sent = prefix.send(row)
+        received = sent.handed_over.rows(model.get_input_embeddings().weight)
+        assert torch.equal(prefix.receive(sent, row),
+                           assemble_prefix(model, tok, [received, question_prompt(tok, row["question"])]))
+
+
+def test_a_failed_receive_leaves_the_receiver_empty(ctx, rows):
+    method = bound("rclc:cacheback:r1", ctx)
+    fits = method.receiver
+    method.receiver = rclc.HFReceiver(ctx.lm.model, ctx.lm.tokenizer, messages=fits.messages, placement="in_prompt",
+                                      slot_template=fits.slot_template, context_limit=8)
+    with pytest.raises(ValueError, match="exceed the context limit"):
+        method.receive(method.send(rows[0]), rows[0])
+    assert len(method.receiver) == 0
+    method.receiver = fits
+    assert method.receive(method.send(rows[0]), rows[0]).shape[0] > 8
 
 
 def test_eval_end_to_end_writes_rclc_rows_with_every_metric(run_dir, tiny_lm, tmp_path):

@@ -1,1 +1,26 @@
-"""Evaluation: the methods of the protocol, their metrics and the report."""
+"""Evaluation: the methods of the protocol, their metrics and the report.
+
+`registry` defines what a method is and resolves names; `methods` (the built-in methods) and
+`rclc_methods` (the ``rclc:...`` family) each register their methods there. Importing this
+package imports both families, so every name resolves whichever module is imported first.
+"""
+
+from . import methods, rclc_methods  # noqa: F401  (registers the built-in methods and the rclc family)
+from .methods import DEFAULT_METHODS
+from .registry import (EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, expand_method_names,
+                       make_method, method_groups, method_names, register_group, register_method)
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "EvalContext",
+    "HandoffMethod",
+    "MethodUnavailable",
+    "Prefixes",
+    "Sent",
+    "expand_method_names",
+    "make_method",
+    "method_groups",
+    "method_names",
+    "register_group",
+    "register_method",
+]

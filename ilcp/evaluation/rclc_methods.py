@@ -12,42 +12,58 @@ the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budg
 Sender (timed as sender time): `ilcp.rclc.sender_from_hf` builds the sender's state from the
 context text (no special tokens; one prefill), then `ilcp.rclc.transfer_sync` selects rows for
 the question with the method's selector and budget and delivers them to a callback that keeps
-the `Delivery`. What crosses the handoff is the selected rows in the LM's dtype: wire bytes =
-tensor bytes = ``Delivery.nbytes`` (rows x hidden x element size; no framing is counted).
+the `Delivery`: that is what crosses the handoff. Its bytes are the selected rows in the LM's
+dtype: wire bytes = tensor bytes = ``Delivery.nbytes`` (rows x hidden x element size; no
+framing is counted).
 
-Receiver: the delivered rows (n, H) placed in one of three ways, every text part from
-`ilcp.prompts`:
+Receiver (timed as receiver time): the shipped `ilcp.rclc.HFReceiver`, built once per method
+from the prompt texts of `ilcp.prompts` (`receiver_framing`), takes the delivery
+(``receiver(delivery)``) and ``receiver.pop()`` returns the inputs whose ``inputs_embeds`` are
+the prefix:
 
-- in-prompt (the default): where the context text sits in the cold-read prompt,
-  ``embed(before) + rows + embed(after)`` with ``before, after = context_slot_prompt(tok, question)``;
-- ``:prefix`` (the RCLC spec's placement): ``rows + embed(question_prompt(tok, question))``, the
-  rows before the receiver's rendered chat prompt;
-- ``:tuned``: ``cold_read_tuned``'s K trained vectors, then the in-prompt rows (the answer-format
-  help of the tuned text baseline; the method is skipped for a run without those weights).
+- in-prompt (the default, ``placement="in_prompt"``): the rows where the context text sits in
+  the cold-read prompt: the system message as chat history, the cold-read user turn as the slot
+  template;
+- ``:prefix`` (``placement="prefix"``, the RCLC spec's placement): the rows before the rendered
+  question prompt (``pop(prompt=...)`` with the question turn, so the selection still sees the
+  question alone);
+- ``:tuned``: ``cold_read_tuned``'s K trained vectors, then the in-prompt inputs. HFReceiver has
+  no soft-prompt input, so the K vectors are put in front of the ``inputs_embeds`` it returns,
+  and its context limit is the model's minus K so that its length check counts them. The method
+  is skipped for a run without those weights.
 
 The slot boundary: a byte-level BPE tokenizer (GPT-2 style pre-tokenisation, as SmolLM2's and
 Qwen's) reads the space after ``"Context:"`` as the start of the context's first word, so the
-sender holds ``" " + context`` and the receiver's ``before`` drops that space. The sender's rows
-are then the context's tokens exactly as the cold-read prompt tokenises them, and with in-prompt
-placement ``r1`` (every row selected, whatever the selector) gives the cold read's prefix: the
-ratios measure selection alone.
+sender holds ``" " + context`` and the slot template drops that space (``"Context:{context}"``).
+The sender's rows are then the context's tokens exactly as the cold-read prompt tokenises them,
+and with in-prompt placement ``r1`` (every row selected, whatever the selector) gives the cold
+read's prefix: the ratios measure selection alone.
 
-Groups for ``--methods`` (`ilcp.evaluation.methods.expand_method_names`): ``rclc`` is
+The sender hands the delivery to a callback rather than to the receiver itself, because the
+evaluation times the two sides apart and each `Sent` must stand alone; the receiver's budget
+fitting (which only shrinks a budget whose rows would not fit in the receiver's context) is
+therefore not applied, and ``pop`` raises ValueError for rows that do not fit.
+
+Groups for ``--methods`` (`ilcp.evaluation.registry.expand_method_names`): ``rclc`` is
 `RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .. import rclc
-from ..prompts import context_slot_prompt, question_prompt
-from .methods import EvalContext, HandoffMethod, MethodUnavailable, Sent, register_group, register_method
+from ..prompts import SYSTEM, cold_read_user_text, question_user_text, render
+from ..rclc.hf import context_limit
+from .registry import EvalContext, HandoffMethod, MethodUnavailable, Sent, register_group, register_method
 
-__all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "SELECTORS", "parse_rclc_name"]
+__all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",
+           "receiver_framing"]
 
 FAMILY = "rclc"
 SELECTORS = {"cacheback": rclc.selectors.cacheback, "qsnap": rclc.selectors.qsnap, "chunkkv": rclc.selectors.chunkkv}
@@ -128,11 +144,58 @@ def parse_rclc_name(name: str) -> RCLCSpec:
                     placement="prefix" if "prefix" in options else "in_prompt", tuned="tuned" in options)
 
 
-class RCLCMethod(HandoffMethod):
-    """One RCLC row: selected sender rows at a budget, placed in the prompt or before it.
+_CONTEXT_MARK = "\x00RCLC-CONTEXT\x00"
+_REQUEST_MARK = "\x00RCLC-REQUEST\x00"
 
-    ``send`` returns a `Sent` whose message is the `ilcp.rclc.Delivery` (rows, not bytes);
-    ``receive`` returns the (L, H) prefix described in the module docstring.
+
+@dataclass(frozen=True)
+class ReceiverFraming:
+    """How the evaluation's prompts map onto `ilcp.rclc.HFReceiver`.
+
+    Attributes:
+        messages: the receiver's chat history (the fixed system message), or None for a
+            tokenizer without a chat template (the system text is then part of the templates).
+        slot_template: the in-prompt user turn, with ``{context}`` and ``{request}``.
+        lead: what the sender puts before the context text (``" "`` when the template drops the
+            space after ``"Context:"``, else ``""``).
+        question_turn: the prompt the prefix placement pops with, for a question.
+    """
+
+    messages: list[dict] | None
+    slot_template: str
+    lead: str
+    question_turn: Callable[[str], str]
+
+
+def receiver_framing(tokenizer) -> ReceiverFraming:
+    """The HFReceiver settings that reproduce `ilcp.prompts`' cold-read and question prompts.
+
+    With a chat template, the receiver renders ``[system, user]`` as `ilcp.prompts.render` does;
+    without one, the templates hold the whole plain-text prompt.
+    """
+    user = cold_read_user_text(_CONTEXT_MARK, _REQUEST_MARK)
+    lead = ""
+    if f" {_CONTEXT_MARK}" in user:
+        user, lead = user.replace(f" {_CONTEXT_MARK}", _CONTEXT_MARK), " "
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": SYSTEM}]
+        question_turn = question_user_text
+    else:
+        messages = None
+        user = render(tokenizer, user)
+
+        def question_turn(question: str) -> str:
+            return render(tokenizer, question_user_text(question))
+
+    template = user.replace(_CONTEXT_MARK, "{context}").replace(_REQUEST_MARK, "{request}")
+    return ReceiverFraming(messages=messages, slot_template=template, lead=lead, question_turn=question_turn)
+
+
+class RCLCMethod(HandoffMethod):
+    """One RCLC row: selected sender rows at a budget, placed by `ilcp.rclc.HFReceiver`.
+
+    ``send`` returns a `Sent` whose ``handed_over`` is the `ilcp.rclc.Delivery` (rows, not
+    bytes); ``receive`` returns the (L, H) prefix described in the module docstring.
     """
 
     def __init__(self, name: str):
@@ -140,18 +203,30 @@ class RCLCMethod(HandoffMethod):
         self.spec = parse_rclc_name(name)
         self.selector = SELECTORS[self.spec.selector]
         self.requires = (TUNED_SOFT_PROMPT,) if self.spec.tuned else ()
-        self._lead = ""
+        self.framing: ReceiverFraming | None = None
+        self.receiver: rclc.HFReceiver | None = None
+        self._soft: Tensor | None = None
 
     def bind(self, ctx: EvalContext) -> None:
         super().bind(ctx)
         if self.spec.tuned and TUNED_SOFT_PROMPT not in ctx.run.soft_prompts:
             raise MethodUnavailable(f"{self.name}: the run has no {TUNED_SOFT_PROMPT} weights")
-        before, _ = context_slot_prompt(ctx.lm.tokenizer, "?")
-        self._lead = " " if before.endswith(" ") else ""
+        model, tokenizer = ctx.lm.model, ctx.lm.tokenizer
+        self._soft = ctx.run.soft_prompts[TUNED_SOFT_PROMPT] if self.spec.tuned else None
+        limit = context_limit(model) - (self._soft.shape[0] if self._soft is not None else 0)
+        if limit < 1:
+            raise ValueError(f"{self.name}: {TUNED_SOFT_PROMPT}'s {self._soft.shape[0]} vectors leave no room "
+                             f"in the model's {context_limit(model)} positions")
+        self.framing = receiver_framing(tokenizer)
+        self.receiver = rclc.HFReceiver(model, tokenizer, messages=self.framing.messages,
+                                        max_new_tokens=ctx.max_new_tokens, context_limit=limit,
+                                        placement=self.spec.placement, slot_template=self.framing.slot_template)
 
     def sender_text(self, context: str) -> str:
         """The text the sender's state is built from: the context as the cold-read prompt holds it."""
-        return self._lead + context.strip()
+        if self.framing is None:
+            raise RuntimeError(f"method {self.name!r} is not bound to a run: call bind(ctx) first")
+        return self.framing.lead + context.strip()
 
     def send(self, row: dict) -> Sent:
         lm = self.lm
@@ -160,19 +235,24 @@ class RCLCMethod(HandoffMethod):
         rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
                            budget=self.spec.budget, selector=self.selector)
         delivery = deliveries[0]
-        return Sent(message=delivery, wire_bytes=delivery.nbytes, tensor_bytes=delivery.nbytes)
+        return Sent(handed_over=delivery, wire_bytes=delivery.nbytes, tensor_bytes=delivery.nbytes)
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
-        lm = self.lm
-        rows = sent.message.rows(lm.model.get_input_embeddings().weight)
-        if self.spec.placement == "prefix":
-            parts = [rows, question_prompt(lm.tokenizer, row["question"])]
-        else:
-            before, after = context_slot_prompt(lm.tokenizer, row["question"])
-            parts = [before[: len(before) - len(self._lead)], rows, after]
-        if self.spec.tuned:
-            parts.insert(0, self.ctx.run.soft_prompts[TUNED_SOFT_PROMPT])
-        return self._prefix(parts)
+        if self.receiver is None:
+            raise RuntimeError(f"method {self.name!r} is not bound to a run: call bind(ctx) first")
+        if not isinstance(sent.handed_over, rclc.Delivery):
+            raise ValueError(f"{self.name}: expected an ilcp.rclc.Delivery, got {type(sent.handed_over).__name__}")
+        prompt = self.framing.question_turn(row["question"]) if self.spec.placement == "prefix" else None
+        self.receiver(sent.handed_over)
+        try:
+            inputs = self.receiver.pop(prompt=prompt)
+        except Exception:
+            self.receiver.consume_next()
+            raise
+        prefix = inputs["inputs_embeds"][0]
+        if self._soft is not None:
+            prefix = torch.cat([self._soft.to(device=prefix.device, dtype=prefix.dtype), prefix], dim=0)
+        return prefix
 
 
 register_method(FAMILY, RCLCMethod, family=True)

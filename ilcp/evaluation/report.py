@@ -128,7 +128,8 @@ def markdown_report(results: dict) -> str:
         "Exact match and contains are on the normalised first line of the answer; intervals are 95% "
         "percentile-bootstrap intervals over questions. Wire bytes: what crosses the handoff per "
         "request (ILCP: `len(payload.to_bytes())`; text methods: the context's utf-8 bytes; RCLC: the "
-        "selected rows in the LM's dtype, `Delivery.nbytes`, no framing). Receiver "
+        "selected rows in the LM's dtype, `Delivery.nbytes`, no framing). Tensor bytes: the tensors "
+        "inside it (ILCP: the latent; RCLC: the rows; text: 0). Receiver "
         "TTFT: from the received message to the first answer token (parsing, projection, prompt "
         "embedding and prefill). Handoff: sender time + receiver TTFT.",
         "",

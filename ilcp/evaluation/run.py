@@ -3,10 +3,13 @@
     from ilcp.evaluation.run import evaluate
     results = evaluate("checkpoints/default", tasks=["babi:2"], limit=200, out="results/default")
 
-For each task (the run's training task, test split, plus the ``tasks`` given) and each method:
+The run's training task and its settings come from its config.json (``task``, ``task_settings``:
+the facts task is rebuilt with the run's number of facts, distractors and seed; bAbI tasks read
+the ``en`` test file). For each task (the run's training task, test split, plus the ``tasks``
+given) and each method:
 1. accuracy, batched: the method builds the receiver prefixes of every row, one greedy decoder
    answers them; exact match and contains on the normalised first line, token F1, 95% bootstrap
-   intervals of the two accuracies, payload bytes on the wire and prefill positions;
+   intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions;
 2. latency, per request and unbatched, on the first ``latency_n`` rows (after one untimed
    warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
    `receive` plus the prefill of `decode_one`), and the handoff time, their sum.
@@ -27,18 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from ..decoding import decode_one, greedy_decode
-from ..export import check_fingerprint, read_config, read_export
+from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
 from ..tasks import babi_file, count_tokens, facts_for_length, load_babi, make_facts
-from .methods import (DEFAULT_METHODS, EvalContext, HandoffMethod, MethodUnavailable, expand_method_names,
-                      make_method)
-from ..metrics import contains_answer, exact_match, token_f1
 from ..io import atomic_write_text
+from ..metrics import contains_answer, exact_match, token_f1
+from .methods import DEFAULT_METHODS
+from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import bootstrap_interval, latency_summary, write_report
 
 __all__ = ["DEFAULT_LIMIT", "TaskSpec", "evaluate", "parse_task", "time_request"]
@@ -86,8 +88,9 @@ def parse_task(name: str) -> TaskSpec:
     return TaskSpec(f"babi:{number}", number)
 
 
-def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict) -> tuple[list[dict], int, str]:
-    """(rows, questions available, a description of the source) for a task's test split."""
+def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None) -> tuple[list[dict], int, str]:
+    """(rows, questions available, a description of the source) for a task's test split; the facts
+    task is built with the run's ``facts_settings`` (`_facts_settings`)."""
     if spec.is_facts:
         n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
         rows = make_facts(n, split="test", **facts_settings).to_list()
@@ -100,14 +103,34 @@ def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict) -> tuple
     return (rows if limit is None else rows[:limit]), available, desc
 
 
-def _facts_settings(ckpt: Path) -> dict:
-    """The facts task's settings the run trained with (train_config.yaml), else the defaults."""
-    settings = {"n_facts": 4, "n_distractors": 0, "seed": 0}
-    path = ckpt / "train_config.yaml"
-    if path.is_file():
-        data = (yaml.safe_load(path.read_text()) or {}).get("data", {})
-        settings.update(n_facts=int(data.get("facts_n_facts", 4)), n_distractors=int(data.get("facts_n_distractors", 0)),
-                        seed=int(data.get("seed", 0)))
+FACTS_SETTINGS = {"n_facts": "facts_n_facts", "n_distractors": "facts_n_distractors", "seed": "seed"}
+
+
+def _facts_settings(config: dict, ckpt: Path) -> dict:
+    """The facts task's settings the run trained with: config.json's ``task_settings``
+    (``facts_n_facts``, ``facts_n_distractors``, ``seed``), as `make_facts` arguments.
+
+    Raises:
+        ExportError: config.json records no ``task_settings`` or lacks one of those keys (an
+            export written before the export recorded them: export the run again).
+    """
+    recorded = config.get("task_settings")
+    where = ckpt / "config.json"
+    if not isinstance(recorded, dict):
+        raise ExportError(f"{where} records no task_settings, which the facts task needs (facts_n_facts, "
+                          "facts_n_distractors, seed): export the run again with this package")
+    missing = [key for key in FACTS_SETTINGS.values() if key not in recorded]
+    if missing:
+        raise ExportError(f"{where}: task_settings lacks {', '.join(missing)}, which the facts task needs: "
+                          "export the run again with this package")
+    settings = {}
+    for arg, key in FACTS_SETTINGS.items():
+        value = recorded[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ExportError(f"{where}: task_settings.{key} must be an int >= 0, got {value!r}")
+        settings[arg] = value
+    if settings["n_facts"] < 1:
+        raise ExportError(f"{where}: task_settings.facts_n_facts must be >= 1, got {settings['n_facts']}")
     return settings
 
 
@@ -258,8 +281,8 @@ def evaluate(
         ckpt: the run directory (``checkpoints/RUN``).
         tasks: tasks besides the run's own training task ("babi:N", "facts"), reported separately
             and marked held out unless they are the training task.
-        methods: method names (`ilcp.evaluation.methods.make_method`); those whose weights the run
-            lacks are skipped with a note in ``results["skipped"]``.
+        methods: method names and groups (`ilcp.evaluation.registry.make_method`); those whose
+            weights the run lacks are skipped with a note in ``results["skipped"]``.
         limit: questions per task (the first ones of the test split); None or 0 for all.
         latency_n: requests timed per method and task (unbatched; 0 skips latency).
         batch_size: greedy-decoding batch size of the accuracy pass.
@@ -276,7 +299,8 @@ def evaluate(
         log: called with progress lines (eval.py passes ``print``); None is silent.
 
     Raises:
-        ExportError: ``ckpt`` is not a finished run, or ``lm`` is another LM than the run's.
+        ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
+            task is asked of a run whose config.json records no facts settings (``task_settings``).
         ValueError: an unknown method or task, or a bad number.
     """
     say = log or (lambda message: None)
@@ -295,6 +319,7 @@ def evaluate(
     chosen = _resolve_methods(methods)
     task_specs = _resolve_tasks(config["task"], tasks)
     train_task = task_specs[0].name
+    facts_settings = _facts_settings(config, ckpt) if any(spec.is_facts for spec in task_specs) else None
     files = config.get("files", {})
     skipped: dict[str, str] = {}
     runnable = []
@@ -316,7 +341,7 @@ def evaluate(
     run = read_export(ckpt)
     handoff = (ILCPHandoff(lm, run.compressor, run.projector, run.config, pooler=run.pooler)
                if run.compressor is not None else None)
-    ctx = EvalContext(lm=lm, run=run, handoff=handoff)
+    ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
     bound = []
     for m in runnable:
         try:
@@ -326,7 +351,6 @@ def evaluate(
             skipped[m.name] = str(e)
             say(f"skipping {m.name}: {e}")
 
-    facts_settings = _facts_settings(ckpt)
     results: dict = {
         "run": {"path": str(ckpt), "lm_spec": config["lm"]["spec"], "fingerprint": fingerprint,
                 "train_task": train_task, "latent_dim": config.get("latent_dim"),
