@@ -124,6 +124,27 @@ class HandoffConfig:
 
 
 @dataclass
+class ReconstructConfig:
+    steps: int = _f(0, "reconstruction-stage steps between stage 1 and the answer stage: the frozen LM regenerates "
+                       "each training context from the K memory vectors alone (0 = no such stage)")
+    batch_size: int = _f(8, "reconstruction-stage batch size (distinct training contexts)")
+    lr: float = _f(1e-3, "reconstruction-stage learning rate of the projector")
+    encoder_lr: float = _f(1e-3, "reconstruction-stage learning rate of the pooler and VAE")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end")
+    max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)")
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"reconstruct.steps must be >= 0, got {self.steps}")
+        for name in ("batch_size", "val_every_steps", "max_target_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.encoder_lr <= 0 or self.warmup_steps < 0:
+            raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
+
+
+@dataclass
 class TrainerConfig:
     accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu")
     devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto')")
@@ -145,6 +166,7 @@ class TrainConfig:
     lm: LMConfig = field(default_factory=LMConfig)
     data: DataConfig = field(default_factory=DataConfig)
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    reconstruct: ReconstructConfig = field(default_factory=ReconstructConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -165,6 +187,8 @@ class TrainConfig:
                 and not (self.handoff.finetune_encoder or c.answer_head_weight > 0)):
             raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true or "
                              "compressor.answer_head_weight > 0 (the pooler's queries learn from answers only)")
+        if self.reconstruct.steps > 0 and "ilcp" not in self.handoff.variants:
+            raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
             raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
 

@@ -35,16 +35,24 @@ from ..projector import GatedLatentToMemoryProjector, mean_token_embedding_norm
 from .data import HandoffDataModule
 from .log import checkpoint_state, last_checkpoint, make_trainer, parameter_counts, read_curve, say
 
+def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
+    """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
+    scale of the LM's token embeddings."""
+    projector = GatedLatentToMemoryProjector(encoder.latent_dim, cfg.num_memory_tokens, lm.hidden_size,
+                                             cfg.projector_hidden)
+    projector.calibrate_output_norm(mean_token_embedding_norm(lm.model))
+    encoder.projector = projector
+    return encoder
+
+
 def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None) -> MemorySource:
-    """The untrained memory source of a variant; for ilcp, stage 1's encoder gets its projector
-    (calibrated to the scale of the LM's token embeddings) and is frozen unless fine-tuned."""
+    """The memory source a variant starts from; for ilcp, the encoder of the earlier stages, with
+    a new projector unless the reconstruction stage trained one, frozen unless fine-tuned."""
     if variant == "ilcp":
         if encoder is None:
             raise ValueError("the ilcp variant needs the stage-1 encoder")
-        projector = GatedLatentToMemoryProjector(encoder.latent_dim, cfg.num_memory_tokens, lm.hidden_size,
-                                                 cfg.projector_hidden)
-        projector.calibrate_output_norm(mean_token_embedding_norm(lm.model))
-        encoder.projector = projector
+        if encoder.projector is None:
+            attach_projector(encoder, cfg, lm)
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
         return encoder
@@ -149,11 +157,14 @@ class HandoffModule(L.LightningModule):
                              batch_size=self.cfg.batch_size)
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr),
-                                weight_decay=self.cfg.weight_decay)
-        warmup, total = self.cfg.warmup_steps, self.cfg.max_steps
+        return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.cfg.max_steps,
+                           self.cfg.warmup_steps)
 
-        def schedule(step: int) -> float:  # linear warm-up, then cosine to 10%
+    def _adamw(self, groups: list[dict], total: int, warmup: int) -> dict:
+        """AdamW over `groups` with a linear warm-up, then a cosine decay to 10% at `total` steps."""
+        opt = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
+
+        def schedule(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
             progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -183,29 +194,10 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     h = cfg.handoff
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen (the LM); "
         f"{h.max_steps} steps of batch {h.batch_size}")
-    ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), filename="best-{step}",
-                           monitor="val/exact_match", mode="max", save_top_k=1, save_last=True)
-    trainer = make_trainer(cfg, stage_dir, variant, [ckpt], max_steps=h.max_steps,
-                           val_check_interval=min(h.val_every_steps, h.max_steps), check_val_every_n_epoch=None,
-                           limit_val_batches=1.0)
-    t0 = time.perf_counter()
-    last = last_checkpoint(stage_dir) if resume else None
-    if last is not None:
-        say(f"stage 2 ({variant}): resuming from {last}")
-    with warnings.catch_warnings():
-        # The frozen LM is in eval mode on purpose (see HandoffModule.train).
-        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-        trainer.fit(module, datamodule=data, ckpt_path=last)
-    trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
-    if trainer.global_step % min(h.val_every_steps, h.max_steps) != 0:
-        trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
-    seconds = time.perf_counter() - t0
-    curve = read_curve(cfg, variant)
-    if ckpt.best_model_path:
-        module.load_state_dict(checkpoint_state(Path(ckpt.best_model_path)), strict=False)
-    best = max(curve, key=lambda r: r.get("val/exact_match", -1.0)) if curve else {}
+    steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
+                                            max_steps=h.max_steps, val_every_steps=h.val_every_steps)
     metrics = {
-        "variant": variant, "steps": int(trainer.global_step), "train_seconds": round(seconds, 1),
+        "variant": variant, "steps": steps, "train_seconds": round(seconds, 1),
         "best_step": best.get("step"), "best_val_exact_match": best.get("val/exact_match"),
         "final_val_exact_match": curve[-1].get("val/exact_match") if curve else None,
         "final_val_loss": curve[-1].get("val/loss") if curve else None,
@@ -214,3 +206,34 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     atomic_save_safetensors(export.trained_state(source), done)
     atomic_write_json(stage_dir / "metrics.json", metrics)
     return source, metrics
+
+
+def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.LightningDataModule, resume: bool, *,
+              monitor: str, mode: str, max_steps: int, val_every_steps: int) -> tuple[int, float, list[dict], dict]:
+    """Fit a through-the-LM stage for `max_steps` steps, validating every `val_every_steps` and at
+    the end; keep `last.ckpt` (resume) and the best checkpoint by `monitor`, whose weights the
+    module holds afterwards. Returns (optimizer steps, seconds, validation curve, best curve row)."""
+    stage_dir = cfg.run_dir / "stages" / name
+    every = min(val_every_steps, max_steps)
+    ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), filename="best-{step}",
+                           monitor=monitor, mode=mode, save_top_k=1, save_last=True)
+    trainer = make_trainer(cfg, stage_dir, name, [ckpt], max_steps=max_steps, val_check_interval=every,
+                           check_val_every_n_epoch=None, limit_val_batches=1.0)
+    t0 = time.perf_counter()
+    last = last_checkpoint(stage_dir) if resume else None
+    if last is not None:
+        say(f"{name}: resuming from {last}")
+    with warnings.catch_warnings():
+        # The frozen LM is in eval mode on purpose (see HandoffModule.train).
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        trainer.fit(module, datamodule=data, ckpt_path=last)
+    trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
+    if trainer.global_step % every != 0:
+        trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
+    seconds = time.perf_counter() - t0
+    curve = read_curve(cfg, name)
+    if ckpt.best_model_path:
+        module.load_state_dict(checkpoint_state(Path(ckpt.best_model_path)), strict=False)
+    sign = 1.0 if mode == "max" else -1.0
+    best = max(curve, key=lambda r: sign * r.get(monitor, -sign * float("inf"))) if curve else {}
+    return int(trainer.global_step), seconds, curve, best
