@@ -74,7 +74,7 @@ async def exchange(model, tokenizer, html_path: Path, snapshot_path: Path, *, ma
     html_path.write_text(page(agent_y.selection_html(request_index=0)), encoding="utf-8")
     results["html"] = str(html_path)
     log(f"Y received {report['deliveries'][0]['positions']} of X's {agent_x.sender_state().positions} "
-        f"positions ({report['deliveries'][0]['payload_bytes']} payload bytes); selection view: {html_path}")
+        f"positions ({report['deliveries'][0]['tensor_bytes']} tensor bytes); selection view: {html_path}")
     inputs = agent_y.pop()
     output = model.generate(**inputs, do_sample=False, return_dict_in_generate=True)
     agent_y.update(inputs=inputs, generation=output)

@@ -1,41 +1,75 @@
 """The handoff payload: a latent tensor, packed at the gradient boundary and sent as bytes.
 
-`pack(z, lm_fingerprint=...)` detaches the sender's latent z (B, latent_dim), casts it to the
+`pack(z, lm_fingerprint=...)` detaches the sender's latent z, casts (or quantises) it to the
 payload dtype and stages it; `TransportPayload.to_bytes()` serialises it; the receiver calls
 `TransportPayload.from_bytes(data, expected_fingerprint=...)`, which verifies everything, and
 `unpack(payload, device)` for its own copy of z. In-process handoffs skip the bytes; a network
 transport (gRPC, a shared-memory ring) sends them without touching call sites.
 
-Two sizes, both reported by evaluation:
-- ``payload.byte_length()``: the tensor bytes, numel x element_size of the real tensor (the
-  article's payload figure: 32 x float32 = 128 bytes).
-- ``wire_length(payload) == len(payload.to_bytes())``: the bytes on the wire, header and CRC
-  included (``header_length + byte_length() + 4``).
+Latent shapes: ``(Z,)`` one latent; ``(B, Z)`` a batch of one latent per context, or ``(N, Z)``
+one context carried by N latents (one per chunk or sentence); ``(B, N, Z)`` a batch of those.
+The payload keeps the shape and nothing else: whether a 2-D latent is (B, Z) or (N, Z) is the
+caller's contract. ``latent_dim`` is always the last dimension.
 
-Wire format, version 1 (all integers little-endian, ``struct`` format ``'<'``):
+Payload dtypes (``dtype=`` of `pack`, a name or the torch dtype):
+- ``"float32"``, ``"float16"``, ``"bfloat16"``: the latent cast to that dtype; float32 round-trips
+  exactly.
+- ``"int8"``: symmetric absmax quantisation per row (per latent vector, the last axis): for a
+  row x, ``scale = max|x| / 127`` stored as float32 (rounded up, so that ``|x / scale| <= 127``),
+  ``q = round(x / scale)`` in -127..127 (-128 is never written and is refused when read); an
+  all-zero row has scale 0 and q 0. `unpack` dequantises to ``q * scale`` in float32 (or the
+  float dtype asked for); each value is off by at most ``scale / 2`` (plus float32 rounding of
+  the product).
+
+Two sizes, both reported by evaluation:
+- ``payload.byte_length()``: the tensor bytes actually carried, computed from the real tensors:
+  numel x element_size of the latent, plus, for int8, the float32 scales (4 bytes per row).
+  32 x float32 = 128 bytes (the article's payload figure); 32 x int8 + one scale = 36 bytes.
+- ``wire_length(payload) == len(payload.to_bytes())``: the bytes on the wire, header and CRC
+  included (``header + byte_length() + 4``).
+
+Wire format (all integers little-endian, ``struct`` format ``'<'``):
 
 | offset      | size          | field                                                         |
 |-------------|---------------|---------------------------------------------------------------|
 | 0           | 4             | magic ``b"ILCP"``                                             |
-| 4           | 1             | format version, uint8 = 1                                     |
-| 5           | 1             | dtype code, uint8: 1 float32, 2 float16, 3 bfloat16           |
-| 6           | 4             | ndim, uint32: 1 (latent_dim,) or 2 (batch, latent_dim)        |
-| 10          | 4 x ndim      | shape, uint32 each, every dimension >= 1                      |
+| 4           | 1             | format version, uint8: 1 or 2 (below)                         |
+| 5           | 1             | dtype code, uint8: 1 float32, 2 float16, 3 bfloat16, 4 int8   |
+| 6           | 4             | ndim n, uint32: 1 or 2 in version 1; 1, 2 or 3 in version 2   |
+| 10          | 4 x n         | shape, uint32 each, every dimension >= 1                      |
 | 10 + 4n     | 1             | fingerprint length F, uint8, 1..64                            |
 | 11 + 4n     | F             | LM fingerprint, utf-8                                         |
-| 11 + 4n + F | numel x size  | tensor values, row-major, little-endian (bfloat16 as its raw  |
-|             |               | 16 bits)                                                      |
+| 11 + 4n + F | T             | tensor section (below)                                        |
 | end - 4     | 4             | CRC32 (zlib) of every byte before it, uint32                  |
 
+Tensor section: for float dtypes, numel values, row-major, little-endian (bfloat16 as its raw
+16 bits), T = numel x element size. For int8 (code 4): R = numel / shape[-1] float32 scales
+(one per row, row-major), then numel int8 values, row-major; T = 4R + numel.
+
+Versions. Version 1 is the original format: float dtypes, 1 or 2 dims; its bytes are unchanged.
+Version 2 has the same header and adds dtype code 4 (int8, whose tensor section carries the
+scales) and 3 dims. The writer uses the lowest version that can express the payload: every
+float payload of 1 or 2 dims is still written as version 1, byte for byte, so receivers that
+read only version 1 keep reading everything they could read before, and refuse the rest with
+"unknown payload format version 2" (the accurate reason: they are older than the sender)
+instead of misreading it. A version-2 payload that version 1 could express, and a version-1
+payload with int8 or 3 dims, are refused as non-canonical: every payload has exactly one
+encoding, so ``from_bytes(b).to_bytes() == b`` for every accepted ``b``.
+
 `from_bytes` raises `PayloadError` (a ValueError) with the reason for anything that is not a
-valid payload: not bytes-like, truncated, bad magic, unknown version, unknown dtype code, bad
-shape, trailing bytes, CRC mismatch, non-finite values, or a fingerprint that differs from the
-receiver's LM. It raises nothing else for any input. CRC32 detects every error of up to four
-flipped bits in payloads of this size, and any burst of up to 32 bits.
+valid payload: not bytes-like, over the size limit, truncated, bad magic, unknown or
+non-canonical version, unknown dtype code, bad shape, trailing bytes, CRC mismatch, non-finite
+values (for int8, also after dequantisation), a negative scale or an int8 value of -128, or a
+fingerprint that differs from the receiver's LM. It raises nothing else for any input. The size
+limit (``max_elements``, default `DEFAULT_MAX_ELEMENTS`) is checked against the shape the
+header declares before anything proportional to the payload is allocated: the parser reads the
+caller's buffer through a memoryview and copies nothing before that check. CRC32 detects every
+error of up to four flipped bits in payloads of this size, and any burst of up to 32 bits.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -43,9 +77,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .checks import positive_int
+
 __all__ = [
+    "DEFAULT_MAX_ELEMENTS",
+    "DTYPES",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
     "MAGIC",
+    "MAX_NDIM",
     "PayloadError",
     "TransportPayload",
     "pack",
@@ -54,21 +94,31 @@ __all__ = [
 ]
 
 MAGIC = b"ILCP"
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = FORMAT_VERSIONS[-1]  # the newest version this module reads and writes
 MAX_FINGERPRINT_BYTES = 64
+MAX_NDIM = 3  # (B, N, Z)
+_MAX_NDIM_BY_VERSION = {1: 2, 2: MAX_NDIM}
+DEFAULT_MAX_ELEMENTS = 1 << 22  # latent values per payload a receiver accepts by default (16 MiB of float32)
 
-# name -> (dtype code, torch dtype, little-endian numpy dtype of the raw values)
+# name -> (dtype code, torch dtype of the payload's latent, little-endian numpy dtype of the raw values)
 _DTYPES = {
     "float32": (1, torch.float32, np.dtype("<f4")),
     "float16": (2, torch.float16, np.dtype("<f2")),
     "bfloat16": (3, torch.bfloat16, np.dtype("<i2")),
+    "int8": (4, torch.int8, np.dtype("i1")),
 }
+DTYPES = tuple(_DTYPES)
 _CODES = {code: name for name, (code, _, _) in _DTYPES.items()}
 _TORCH_NAMES = {tdtype: name for name, (_, tdtype, _) in _DTYPES.items()}
+_QUANTISED = frozenset({"int8"})
+_SCALE_NP = np.dtype("<f4")
+_INT8_MAX = 127
 
 _PREFIX = struct.Struct("<4sBBI")  # magic, version, dtype code, ndim
 _U32 = struct.Struct("<I")
 _U8 = struct.Struct("<B")
+_MAX_HEADER = _PREFIX.size + 4 * MAX_NDIM + 1 + MAX_FINGERPRINT_BYTES
 
 
 class PayloadError(ValueError):
@@ -95,16 +145,68 @@ def _check_fingerprint(fp) -> bytes:
     return raw
 
 
+def _format_version(name: str, ndim: int) -> int:
+    """The lowest format version that expresses a payload of this dtype and rank."""
+    return 1 if name not in _QUANTISED and ndim <= _MAX_NDIM_BY_VERSION[1] else 2
+
+
+def _tensor_section_bytes(name: str, shape: tuple[int, ...]) -> int:
+    numel = math.prod(shape)
+    if name in _QUANTISED:
+        return _SCALE_NP.itemsize * (numel // shape[-1]) + numel
+    return numel * _DTYPES[name][2].itemsize
+
+
+def _max_wire_bytes(max_elements: int) -> int:
+    """An upper bound on the wire size of any payload of at most `max_elements` latent values:
+    the longest header, then per value the wider of a float32 and (int8 with latent_dim 1) one
+    int8 byte plus its float32 scale, then the CRC."""
+    return _MAX_HEADER + max_elements * max(_DTYPES["float32"][2].itemsize, 1 + _SCALE_NP.itemsize) + 4
+
+
+def _read_array(view: memoryview, np_dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+    """A native-order copy of `count` values at `offset`; keeps no reference to `view`."""
+    return np.frombuffer(view, dtype=np_dtype, count=count, offset=offset).astype(np_dtype.newbyteorder("="))
+
+
+def _quantise_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row absmax int8: z (..., Z) finite -> (q int8 (..., Z), scale float32 (...)).
+
+    The scale is max|row| / 127 rounded up to a float32, so every |x / scale| <= 127 and each
+    dequantised value q * scale is within scale / 2 of x. Computed in float64 on the CPU.
+    """
+    x = z.detach().to(device="cpu", dtype=torch.float64)
+    exact = x.abs().amax(dim=-1) / _INT8_MAX
+    scale = exact.to(torch.float32)
+    scale = torch.where(scale.double() < exact, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("z overflows int8: a row's scale max|x| / 127 is out of float32's range")
+    s = scale.double().unsqueeze(-1)
+    q = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, 1.0)), 0.0)
+    q = q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    if not bool(torch.isfinite(_dequantise(q, scale)).all()):
+        raise ValueError("z overflows int8: its dequantised values are out of float32's range")
+    return q, scale
+
+
+def _dequantise(q: torch.Tensor, scale: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
+    """int8 values (..., Z) and their float32 row scales (...) -> float32 (..., Z), q * scale."""
+    return q.to(device=device, dtype=torch.float32) * scale.to(device=device, dtype=torch.float32).unsqueeze(-1)
+
+
 @dataclass(frozen=True)
 class TransportPayload:
     """A latent ready to cross the handoff.
 
     Attributes:
-        latent: z, shaped (batch, latent_dim), or (latent_dim,) for a single latent; detached,
-            contiguous, in the payload dtype.
-        dtype: the payload dtype name: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        latent: z, shaped (latent_dim,), (batch, latent_dim) or (N, latent_dim), or
+            (batch, N, latent_dim); detached, contiguous, in the payload dtype (for int8 the
+            quantised values q, -127..127).
+        dtype: the payload dtype name: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``.
         latent_dim: ``latent.shape[-1]``.
         lm_fingerprint: fingerprint of the LM whose pooled states produced z (`ilcp.lm`).
+        scale: int8 only (None otherwise): float32 scales shaped ``latent.shape[:-1]``, one per
+            row (0-dim for a (latent_dim,) latent); z is ``latent * scale[..., None]``.
 
     Build payloads with `pack`; the constructor checks that the fields agree (ValueError).
     """
@@ -113,6 +215,7 @@ class TransportPayload:
     dtype: str
     latent_dim: int
     lm_fingerprint: str
+    scale: torch.Tensor | None = None
 
     def __post_init__(self):
         t = self.latent
@@ -120,35 +223,69 @@ class TransportPayload:
             raise ValueError(f"latent must be a tensor, got {type(t).__name__}")
         if not isinstance(self.dtype, str) or _dtype_name(self.dtype) != _TORCH_NAMES.get(t.dtype):
             raise ValueError(f"dtype {self.dtype!r} does not match the latent's dtype {t.dtype}")
-        if t.dim() not in (1, 2) or t.numel() == 0:
-            raise ValueError(f"latent must be (batch, latent_dim) or (latent_dim,), non-empty; got {tuple(t.shape)}")
+        if not 1 <= t.dim() <= MAX_NDIM or t.numel() == 0:
+            raise ValueError(
+                f"latent must be (latent_dim,), (batch, latent_dim), (N, latent_dim) or (batch, N, latent_dim), "
+                f"non-empty; got {tuple(t.shape)}"
+            )
         if self.latent_dim != t.shape[-1]:
             raise ValueError(f"latent_dim {self.latent_dim} does not match the latent's shape {tuple(t.shape)}")
+        if self.dtype in _QUANTISED:
+            s = self.scale
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != t.shape[:-1]:
+                raise ValueError(
+                    f"an {self.dtype} payload needs float32 scales shaped {tuple(t.shape[:-1])}, got "
+                    f"{(s.dtype, tuple(s.shape)) if isinstance(s, torch.Tensor) else type(s).__name__}"
+                )
+        elif self.scale is not None:
+            raise ValueError(f"a {self.dtype} payload carries no scale")
         _check_fingerprint(self.lm_fingerprint)
 
+    @property
+    def format_version(self) -> int:
+        """The wire format version `to_bytes` writes: 1 for float dtypes of 1 or 2 dims, else 2."""
+        return _format_version(self.dtype, self.latent.dim())
+
     def byte_length(self) -> int:
-        """Tensor bytes: numel x element_size of the real tensor (128 for 32 x float32)."""
-        return self.latent.numel() * self.latent.element_size()
+        """Tensor bytes carried: numel x element_size of the latent, plus the scales' bytes for
+        int8 (128 for 32 x float32; 36 for 32 x int8 + one float32 scale)."""
+        n = self.latent.numel() * self.latent.element_size()
+        if self.scale is not None:
+            n += self.scale.numel() * self.scale.element_size()
+        return n
 
     def to_bytes(self) -> bytes:
         """The wire format described in the module docstring.
 
         Raises:
-            ValueError: the latent has NaN or infinite values (no receiver would accept them).
+            ValueError: the latent (or a scale) has NaN or infinite values, a scale is negative,
+                an int8 value is -128, or int8 values dequantise to non-finite values (no
+                receiver would accept them).
         """
         t = self.latent.detach().to("cpu").contiguous()
         if not bool(torch.isfinite(t).all()):
             raise ValueError("latent has non-finite values; refusing to serialise it")
         code, _, np_dtype = _DTYPES[self.dtype]
         fp = _check_fingerprint(self.lm_fingerprint)
+        scales = b""
+        if self.dtype in _QUANTISED:
+            s = self.scale.detach().to("cpu").contiguous()
+            if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+                raise ValueError("int8 scales must be finite and >= 0; refusing to serialise them")
+            if bool((t == -_INT8_MAX - 1).any()):
+                raise ValueError("int8 latent holds -128, outside the symmetric range -127..127")
+            if not bool(torch.isfinite(_dequantise(t, s)).all()):
+                raise ValueError("int8 latent dequantises to non-finite values; refusing to serialise it")
+            scales = s.numpy().astype(_SCALE_NP, copy=False).tobytes()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
         values = t.numpy().astype(np_dtype, copy=False).tobytes()
         body = b"".join([
-            _PREFIX.pack(MAGIC, FORMAT_VERSION, code, t.dim()),
+            _PREFIX.pack(MAGIC, self.format_version, code, t.dim()),
             b"".join(_U32.pack(d) for d in t.shape),
             _U8.pack(len(fp)),
             fp,
+            scales,
             values,
         ])
         return body + _U32.pack(zlib.crc32(body))
@@ -160,25 +297,49 @@ class TransportPayload:
         *,
         expected_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
+        max_elements: int = DEFAULT_MAX_ELEMENTS,
     ) -> TransportPayload:
-        """Parse and verify wire bytes (bytes, bytearray or memoryview).
+        """Parse and verify wire bytes (bytes, bytearray or memoryview) of either format version.
 
         Args:
             data: the bytes from `to_bytes`.
             expected_fingerprint: the receiver's LM fingerprint; a payload made by another LM is
                 refused. None skips that check.
-            device: where the latent is placed.
+            device: where the latent (and an int8 payload's scales) are placed.
+            max_elements: the most latent values accepted; a header declaring more is refused
+                before anything proportional to its size is allocated or read.
 
         Raises:
             PayloadError: with the reason, for any input that is not a valid payload.
+            ValueError: ``max_elements`` is not a positive int.
         """
+        positive_int("max_elements", max_elements)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise PayloadError(f"payload must be bytes-like, got {type(data).__name__}")
         try:
-            data = bytes(data)
+            outer = memoryview(data)
         except (ValueError, TypeError, BufferError) as e:
             raise PayloadError(f"payload buffer is unreadable: {e}") from None
-        n = len(data)
+        with outer:
+            try:
+                view = outer.cast("B")
+            except (ValueError, TypeError):
+                # Not a C-contiguous buffer of a plain format: read it through a copy, bounded first.
+                if outer.nbytes > _max_wire_bytes(max_elements):
+                    raise PayloadError(
+                        f"payload of {outer.nbytes} bytes exceeds the limit of max_elements={max_elements}"
+                    ) from None
+                try:
+                    view = memoryview(outer.tobytes())
+                except (ValueError, TypeError, BufferError) as e:
+                    raise PayloadError(f"payload buffer is unreadable: {e}") from None
+            with view:
+                return cls._parse(view, expected_fingerprint, device, max_elements)
+
+    @classmethod
+    def _parse(cls, data: memoryview, expected_fingerprint, device, max_elements: int) -> TransportPayload:
+        """`from_bytes` on a flat byte view; copies nothing before the size limit is checked."""
+        n = data.nbytes
 
         def need(end: int, what: str) -> None:
             if n < end:
@@ -187,32 +348,41 @@ class TransportPayload:
         need(_PREFIX.size, "header")
         magic, version, code, ndim = _PREFIX.unpack_from(data, 0)
         if magic != MAGIC:
-            raise PayloadError(f"bad magic {magic!r}: not an ILCP payload (expected {MAGIC!r})")
-        if version != FORMAT_VERSION:
+            raise PayloadError(f"bad magic {bytes(magic)!r}: not an ILCP payload (expected {MAGIC!r})")
+        if version not in FORMAT_VERSIONS:
             raise PayloadError(
-                f"unknown payload format version {version}; this receiver reads version {FORMAT_VERSION}"
+                f"unknown payload format version {version}; this receiver reads versions {list(FORMAT_VERSIONS)}"
             )
         if code not in _CODES:
             raise PayloadError(f"unknown dtype code {code}; known codes: {_CODES}")
-        if ndim not in (1, 2):
-            raise PayloadError(f"bad shape: ndim {ndim}, expected 1 or 2")
+        name = _CODES[code]
+        max_ndim = _MAX_NDIM_BY_VERSION[version]
+        if not 1 <= ndim <= max_ndim:
+            raise PayloadError(f"bad shape: ndim {ndim}; format version {version} carries 1 to {max_ndim} dims")
         pos = _PREFIX.size
         need(pos + 4 * ndim + 1, "shape")
         shape = tuple(_U32.unpack_from(data, pos + 4 * i)[0] for i in range(ndim))
         if min(shape) == 0:
             raise PayloadError(f"bad shape {shape}: empty dimension")
+        numel = math.prod(shape)
+        if numel > max_elements:
+            raise PayloadError(
+                f"payload declares shape {shape} ({numel} values), over the limit of max_elements={max_elements}"
+            )
+        canonical = _format_version(name, ndim)
+        if version != canonical:
+            raise PayloadError(
+                f"non-canonical format version {version} for {name} of {ndim} dims; "
+                f"it is written as version {canonical}"
+            )
         pos += 4 * ndim
         (fp_len,) = _U8.unpack_from(data, pos)
         pos += 1
         if not 1 <= fp_len <= MAX_FINGERPRINT_BYTES:
             raise PayloadError(f"bad fingerprint length {fp_len}; expected 1..{MAX_FINGERPRINT_BYTES}")
-        name = _CODES[code]
         _, tdtype, np_dtype = _DTYPES[name]
-        numel = 1
-        for d in shape:
-            numel *= d
         values_at = pos + fp_len
-        total = values_at + numel * np_dtype.itemsize + 4
+        total = values_at + _tensor_section_bytes(name, shape) + 4
         need(total, f"shape {shape} of {name}")
         if n > total:
             raise PayloadError(f"{n - total} trailing bytes after a payload of {total} bytes (shape {shape} of {name})")
@@ -220,24 +390,39 @@ class TransportPayload:
         if zlib.crc32(data[: total - 4]) != crc:
             raise PayloadError("CRC mismatch: the payload is corrupted")
         try:
-            fingerprint = data[pos:values_at].decode("utf-8")
+            fingerprint = bytes(data[pos:values_at]).decode("utf-8")
         except UnicodeDecodeError:
             raise PayloadError("LM fingerprint is not valid utf-8") from None
-        values = np.frombuffer(data, dtype=np_dtype, count=numel, offset=values_at)
-        latent = torch.from_numpy(values.astype(np_dtype.newbyteorder("="))).reshape(shape)
+        scale = None
+        if name in _QUANTISED:
+            rows = numel // shape[-1]
+            scale = torch.from_numpy(_read_array(data, _SCALE_NP, rows, values_at)).reshape(shape[:-1])
+            values_at += _SCALE_NP.itemsize * rows
+            if not bool(torch.isfinite(scale).all()):
+                raise PayloadError("payload has non-finite int8 scales (NaN or infinity)")
+            if bool((scale < 0).any()):
+                raise PayloadError("payload has a negative int8 scale")
+        latent = torch.from_numpy(_read_array(data, np_dtype, numel, values_at)).reshape(shape)
         if tdtype == torch.bfloat16:
             latent = latent.view(torch.bfloat16)
         if not bool(torch.isfinite(latent).all()):
             raise PayloadError("payload has non-finite values (NaN or infinity)")
+        if name in _QUANTISED:
+            if bool((latent == -_INT8_MAX - 1).any()):
+                raise PayloadError("payload has an int8 value of -128, outside the symmetric range -127..127")
+            if not bool(torch.isfinite(_dequantise(latent, scale)).all()):
+                raise PayloadError("payload has int8 values that dequantise to non-finite values (q x scale overflows)")
         if expected_fingerprint is not None and fingerprint != expected_fingerprint:
             raise PayloadError(
                 f"payload was made by LM {fingerprint}, this receiver runs {expected_fingerprint}"
             )
         try:
             latent = latent.to(device)
+            if scale is not None:
+                scale = scale.to(device)
         except (RuntimeError, ValueError, TypeError) as e:
             raise PayloadError(f"cannot place the latent on device {device!r}: {e}") from None
-        return cls(latent=latent, dtype=name, latent_dim=shape[-1], lm_fingerprint=fingerprint)
+        return cls(latent=latent, dtype=name, latent_dim=shape[-1], lm_fingerprint=fingerprint, scale=scale)
 
 
 def wire_length(payload: TransportPayload) -> int:
@@ -252,26 +437,36 @@ def pack(
     dtype: str | torch.dtype = "float32",
     staging_device: str | torch.device = "cpu",
 ) -> TransportPayload:
-    """Stage a latent z (B, latent_dim) or (latent_dim,) for the handoff.
+    """Stage a latent z for the handoff: (Z,), (B, Z), (N, Z) or (B, N, Z).
 
     The payload holds its own copy: detached (the handoff is a gradient boundary), cast to
-    ``dtype``, on ``staging_device``, contiguous.
+    ``dtype`` (int8: quantised per row with a float32 scale, see the module docstring), on
+    ``staging_device``, contiguous.
 
     Raises:
-        ValueError: ``dtype`` is not float32/float16/bfloat16; z is not a non-empty rank-1 or
-            rank-2 floating tensor; z has (or, after the cast, gets) non-finite values; the
-            fingerprint is empty or over 64 utf-8 bytes.
+        ValueError: ``dtype`` is not one of float32/float16/bfloat16/int8; z is not a non-empty
+            floating tensor of 1 to 3 dims; z has (or, after the cast, gets) non-finite values;
+            the fingerprint is empty or over 64 utf-8 bytes.
     """
     name = _dtype_name(dtype)
     if not isinstance(z, torch.Tensor):
         raise ValueError(f"z must be a tensor, got {type(z).__name__}")
     if not z.is_floating_point():
         raise ValueError(f"z must be a floating tensor, got {z.dtype}")
-    if z.dim() not in (1, 2) or z.numel() == 0:
-        raise ValueError(f"z must be (batch, latent_dim) or (latent_dim,), non-empty; got {tuple(z.shape)}")
+    if not 1 <= z.dim() <= MAX_NDIM or z.numel() == 0:
+        raise ValueError(f"z must be (Z,), (B, Z), (N, Z) or (B, N, Z), non-empty; got {tuple(z.shape)}")
     z = z.detach()
     if not bool(torch.isfinite(z).all()):
         raise ValueError("z has non-finite values (NaN or infinity)")
+    if name in _QUANTISED:
+        q, scale = _quantise_int8(z)
+        return TransportPayload(
+            latent=q.to(staging_device).contiguous(),
+            dtype=name,
+            latent_dim=int(q.shape[-1]),
+            lm_fingerprint=lm_fingerprint,
+            scale=scale.to(staging_device).contiguous(),
+        )
     latent = z.to(device=staging_device, dtype=_DTYPES[name][1], copy=True).contiguous()
     if not bool(torch.isfinite(latent).all()):
         raise ValueError(f"z overflows {name}: its values are out of that dtype's range")
@@ -284,14 +479,21 @@ def unpack(
     dtype: str | torch.dtype | None = None,
 ) -> torch.Tensor:
     """The receiver's own copy of z on ``device`` (never aliasing the payload or another receiver),
-    optionally cast to ``dtype`` (e.g. float32 for the projector). Shape as in the payload."""
+    optionally cast to a float ``dtype`` (e.g. float32 for the projector). Shape as in the payload.
+
+    An int8 payload is dequantised, ``q * scale`` per row, to float32 (then cast to ``dtype`` if
+    given).
+    """
     if not isinstance(payload, TransportPayload):
         raise ValueError(f"expected a TransportPayload, got {type(payload).__name__}")
     tdtype = None
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"unpack dtype must be floating, got {dtype}")
         tdtype = dtype
     elif dtype is not None:
         tdtype = _DTYPES[_dtype_name(dtype)][1]
-    return payload.latent.to(device=device, dtype=tdtype, copy=True)
+    if tdtype is not None and not tdtype.is_floating_point:
+        raise ValueError(f"unpack dtype must be floating, got {dtype}")
+    if payload.scale is None:
+        return payload.latent.to(device=device, dtype=tdtype, copy=True)
+    values = _dequantise(payload.latent, payload.scale, device)
+    return values if tdtype is None or tdtype == torch.float32 else values.to(tdtype)

@@ -1,8 +1,11 @@
-"""ilcp.tasks: the bAbI reader on the vendored files, the procedural facts task, the registry."""
+"""ilcp.tasks: the bAbI reader on the vendored files, bAbI mixes and stories, the procedural facts
+task with its held-out value split and unlabelled contexts, the registry."""
 
+import hashlib
 import json
 import re
 import shutil
+import time
 
 import pytest
 
@@ -12,7 +15,10 @@ from ilcp.tasks import (
     FACT_ATTRIBUTES,
     TASK_COLUMNS,
     TaskFormatError,
+    babi_stories,
     count_tokens,
+    fact_values,
+    facts_contexts,
     facts_for_length,
     load_babi,
     load_task,
@@ -289,3 +295,272 @@ def test_task_config_key(tmp_path):
     assert task_config_key("facts", "train", n_examples=100, n_facts=4, n_distractors=1) != facts
     assert task_config_key("facts", "test", n_examples=100, n_facts=4) != facts
     assert task_config_key("facts", "train", n_examples=100, n_facts=4, seed=1) != facts
+
+
+# --------------------------------------------------------------- unchanged defaults (reference)
+
+def _digest(dataset):
+    return hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Digests of the rows these calls gave before held-out values, mixes and stories were added.
+@pytest.mark.parametrize("n_examples, kwargs, digest", [
+    (300, {"n_facts": 4}, "3af05ff482665e76"),
+    (300, {"n_facts": 1, "split": "test"}, "181dba4ed2faaa3f"),
+    (200, {"n_facts": 6, "n_distractors": 30, "seed": 3, "split": "validation"},
+     "0d697461fae5a186"),
+    (20, {"n_facts": 16, "n_distractors": 200, "seed": 1}, "28418d7d7b502033"),
+])
+def test_default_facts_rows_are_unchanged(n_examples, kwargs, digest):
+    assert _digest(make_facts(n_examples, **kwargs)) == digest
+    assert _digest(make_facts(n_examples, value_split=None, **kwargs)) == digest
+
+
+def test_default_babi_rows_and_keys_are_unchanged():
+    assert _digest(load_task("babi:2", "train", limit=50)) == "9bb0eb32d323310a"
+    assert _digest(load_task("babi-qa1", "validation", variant="en-10k")) == "0d6731bc67374c05"
+    assert task_config_key("facts", "train", n_examples=100, n_facts=4) == {
+        "task": "facts", "n_examples": 100, "n_facts": 4, "n_distractors": 0, "seed": 0,
+        "split": "train", "generator_version": 1}
+    assert task_config_key("babi:1", "train", variant="en-10k", limit=5) == {
+        "task": "babi-qa1", "split": "train", "variant": "en-10k", "limit": 5,
+        "validation_fraction": 0.1, "seed": 0, "source": "qa1_single-supporting-fact_train.txt",
+        "source_sha256": "749ea9f7c99070fe"}
+    assert task_config_key("babi:3", "test") == {
+        "task": "babi-qa3", "split": "test", "variant": "en", "limit": None,
+        "source": "qa3_three-supporting-facts_test.txt", "source_sha256": "17795c977100baf8"}
+    assert facts_for_length(500) == {"n_facts": 4, "n_distractors": 86}
+
+
+# ---------------------------------------------------------------------- held-out value split
+
+def _words(texts):
+    return {word for text in texts for word in re.findall(r"\w+", text)}
+
+
+def test_value_vocabularies_are_large_disjoint_and_partitioned():
+    vocabularies = tasks.FACT_VOCABULARIES
+    for attribute, spec in FACT_ATTRIBUTES.items():  # the original values are all kept
+        assert set(spec.values) <= set(fact_values(attribute))
+    lowered = [v.lower() for values in vocabularies.values() for v in values]
+    assert len(set(lowered)) == len(lowered)
+    assert all(re.fullmatch(r"[A-Za-z0-9]+", v) for v in lowered)
+    assert not set(lowered) & {e.lower() for e in ALL_ENTITIES}
+    template_words = {w.lower() for w in _words(
+        [*tasks._FILLERS, *tasks._WEATHER,
+         *(spec.statement + " " + spec.question for spec in FACT_ATTRIBUTES.values())])}
+    assert not set(lowered) & template_words
+    for name, values in vocabularies.items():
+        train, heldout = fact_values(name, "train"), fact_values(name, "heldout")
+        assert not set(train) & set(heldout) and set(train) | set(heldout) == set(values)
+        assert 0.2 <= len(heldout) / len(values) <= 0.3
+        assert len(heldout) >= 15
+    assert len(vocabularies["person"]) >= 250 and len(vocabularies["city"]) >= 200
+    assert fact_values("owner", "heldout") == fact_values("person", "heldout")
+    with pytest.raises(ValueError, match="vocabulary"):
+        fact_values("shoe")
+    with pytest.raises(ValueError, match="value_split"):
+        fact_values("person", "test")
+
+
+@pytest.fixture(scope="module")
+def value_split_rows():
+    settings = {"n_facts": 6, "n_distractors": 10, "seed": 2}
+    return {
+        "train": make_facts(3000, split="train", value_split="train", **settings),
+        "validation": make_facts(500, split="validation", value_split="train", **settings),
+        "test": make_facts(500, split="test", value_split="train", **settings),
+        "heldout": load_task("facts", "test", n_examples=1000, value_split="heldout", **settings),
+    }
+
+
+def test_heldout_answers_never_occur_in_training(value_split_rows):
+    heldout_values = {v for name in tasks.FACT_VOCABULARIES for v in fact_values(name, "heldout")}
+    train_values = {v for name in tasks.FACT_VOCABULARIES for v in fact_values(name, "train")}
+    seen = [value_split_rows[split] for split in ("train", "validation", "test")]
+    heldout = value_split_rows["heldout"]
+    seen_answers = {a for rows in seen for a in rows["answer"]}
+    assert set(heldout["answer"]) <= heldout_values
+    assert not seen_answers & set(heldout["answer"])
+    assert seen_answers <= train_values
+    # no held-out value anywhere in the contexts (or questions) made with train values ...
+    assert not _words(c for rows in seen for c in [*rows["context"], *rows["question"]]) \
+        & heldout_values
+    # ... and the held-out contexts hold held-out values only, so novelty singles out nothing
+    assert not _words(heldout["context"]) & train_values
+    assert len(set(heldout["answer"])) > 150
+    assert heldout[0]["id"] == "facts-f6-d10-heldoutvalues-test-0"
+    assert value_split_rows["train"][5]["id"] == "facts-f6-d10-trainvalues-train-5"
+
+
+def test_value_split_rows_never_repeat_within_or_across_splits(value_split_rows):
+    pairs = [list(zip(rows["context"], rows["question"])) for rows in value_split_rows.values()]
+    flat = [pair for group in pairs for pair in group]
+    assert len(set(flat)) == len(flat)
+    asked = {split: {(*_asked(r), r["answer"]) for r in rows}
+             for split, rows in value_split_rows.items()}
+    assert not asked["train"] & asked["validation"] and not asked["train"] & asked["test"]
+    assert not asked["validation"] & asked["test"]
+
+
+@pytest.mark.parametrize("n_facts, n_distractors, value_split, split", [
+    (1, 0, "train", "train"), (4, 0, "heldout", "test"), (6, 30, "train", "validation"),
+    (16, 200, "heldout", "test")])
+def test_value_split_questions_have_one_stated_answer(n_facts, n_distractors, value_split, split):
+    rows = make_facts(40, n_facts=n_facts, n_distractors=n_distractors, seed=1, split=split,
+                      value_split=value_split)
+    for row in rows:
+        entity, attribute = _asked(row)
+        spec = FACT_ATTRIBUTES[attribute]
+        assert row["answer"] in fact_values(attribute, value_split)
+        assert row["context"].count(spec.statement.format(entity=entity, value=row["answer"])) == 1
+        any_value = re.escape(spec.statement).replace(re.escape("{entity}"), re.escape(entity))
+        any_value = r"(?<!\w)" + any_value.replace(re.escape("{value}"), r"\w+")
+        assert len(re.findall(any_value, row["context"])) == 1
+        statements = re.findall(r"[^.]+\.", row["context"])
+        assert len(statements) == n_facts + n_distractors
+        assert len(set(statements)) == len(statements)
+
+
+def test_value_split_is_deterministic_and_seeded():
+    first = make_facts(50, n_facts=3, seed=4, value_split="train")
+    assert first.to_dict() == make_facts(50, n_facts=3, seed=4, value_split="train").to_dict()
+    assert make_facts(20, n_facts=3, seed=4, value_split="train").to_dict() == first[:20]
+    assert first["context"] != make_facts(50, n_facts=3, seed=5, value_split="train")["context"]
+    heldout = make_facts(50, n_facts=3, seed=4, split="test", value_split="heldout")
+    assert heldout.to_dict() == make_facts(50, n_facts=3, seed=4, split="test",
+                                           value_split="heldout").to_dict()
+
+
+def test_fifty_thousand_distinct_training_rows_quickly():
+    start = time.perf_counter()
+    rows = make_facts(50_000, n_facts=1, value_split="train")
+    elapsed = time.perf_counter() - start
+    assert len(rows) == 50_000 and len(set(rows["id"])) == 50_000
+    assert len(set(zip(rows["context"], rows["question"]))) == 50_000
+    assert elapsed < 60, f"50k facts rows took {elapsed:.1f} s"
+
+
+def test_value_split_bad_arguments(monkeypatch):
+    with pytest.raises(ValueError, match="only for the test split"):
+        make_facts(5, split="train", value_split="heldout")
+    with pytest.raises(ValueError, match="only for the test split"):
+        load_task("facts", "validation", n_examples=5, value_split="heldout")
+    with pytest.raises(ValueError, match="value_split"):
+        make_facts(5, value_split="test")
+    with pytest.raises(ValueError, match="value_split"):
+        task_config_key("facts", "train", n_examples=5, value_split="all")
+    monkeypatch.setattr(tasks, "ALL_ENTITIES", ("Cedar", "Birch"))  # a space of a few hundred
+    with pytest.raises(ValueError, match="distinct"):
+        make_facts(2000, n_facts=1, split="test", value_split="heldout")
+
+
+def test_value_split_config_keys():
+    plain = task_config_key("facts", "test", n_examples=100)
+    train = task_config_key("facts", "test", n_examples=100, value_split="train")
+    heldout = task_config_key("facts", "test", n_examples=100, value_split="heldout")
+    assert json.loads(json.dumps(heldout)) == heldout
+    assert len({json.dumps(k, sort_keys=True) for k in (plain, train, heldout)}) == 3
+    assert "value_split" not in plain
+    assert heldout["value_split"] == "heldout" and heldout["value_split_version"] == 1
+
+
+# ----------------------------------------------------------------------- unlabelled contexts
+
+def test_facts_contexts():
+    contexts = facts_contexts(2000, 3, n_facts_range=(2, 5))
+    assert len(contexts) == 2000 and len(set(contexts)) == 2000
+    assert all(isinstance(c, str) and "?" not in c for c in contexts)
+    assert {len(re.findall(r"[^.]+\.", c)) for c in contexts} == {2, 3, 4, 5}
+    assert contexts == facts_contexts(2000, 3, n_facts_range=(2, 5))
+    assert contexts[:100] == facts_contexts(100, 3, n_facts_range=(2, 5))
+    assert contexts[:100] != facts_contexts(100, 4, n_facts_range=(2, 5))
+    heldout_values = {v for name in tasks.FACT_VOCABULARIES for v in fact_values(name, "heldout")}
+    assert not _words(contexts) & heldout_values
+    with_distractors = facts_contexts(50, 0, n_facts_range=(1, 1), n_distractors_range=(3, 3))
+    assert {len(re.findall(r"[^.]+\.", c)) for c in with_distractors} == {4}
+    unseen = facts_contexts(200, 0, value_split="heldout")
+    assert _words(unseen) & heldout_values and not _words(unseen) & (
+        {v for name in tasks.FACT_VOCABULARIES for v in fact_values(name, "train")})
+    for bad in [{"n_facts_range": (0, 3)}, {"n_facts_range": (4, 2)}, {"n_facts_range": 3},
+                {"value_split": None}, {"n_distractors_range": (-1, 2)}]:
+        with pytest.raises(ValueError):
+            facts_contexts(5, 0, **bad)
+    with pytest.raises(ValueError):
+        facts_contexts(-1, 0)
+
+
+def test_babi_stories():
+    stories = babi_stories(1)
+    rows = load_babi(1, "train")
+    assert len(stories) == len(set(stories)) and 100 < len(stories) <= 180
+    assert not any("?" in s or "\t" in s for s in stories)
+    full = set()  # each story's text is the context of its last question
+    for row, following in zip(rows, [*rows["id"][1:], None]):
+        if following is None or _story(following) != _story(row["id"]):
+            full.add(row["context"])
+    assert set(stories) == full
+    validation = babi_stories("babi:1", "en", "validation")
+    assert validation and not set(validation) & set(stories)
+    assert set(babi_stories(1, prefixes=True)) == set(rows["context"])
+    mixed = babi_stories("1+2+3")
+    assert set(mixed) == set(stories) | set(babi_stories(2)) | set(babi_stories(3))
+    assert mixed == babi_stories(["qa3", 2, "babi:1"]) and len(mixed) == len(set(mixed))
+    assert len(babi_stories(1, "en-10k")) > 1000
+    with pytest.raises(ValueError):
+        babi_stories("1+1")
+
+
+# ----------------------------------------------------------------------------------- bAbI mix
+
+def test_babi_mix_interleaves_whole_tasks():
+    mixed = load_task("babi:1+2+3", "train")
+    singles = {n: load_babi(n, "train").to_list() for n in (1, 2, 3)}
+    assert mixed.column_names == list(TASK_COLUMNS)
+    assert len(mixed) == sum(len(rows) for rows in singles.values())
+    for n, rows in singles.items():  # each task's rows, in their order
+        assert [r for r in mixed if r["task"] == f"babi-qa{n}"] == rows
+    first = mixed["task"][:30]
+    assert all(first.count(f"babi-qa{n}") == 10 for n in (1, 2, 3))
+    assert len(set(mixed["id"])) == len(mixed)
+    assert load_task("babi:1+2+3", "train", limit=30).to_dict() == mixed[:30]
+    for spelling in ("babi:3+1+2", "babi-qa1+qa2+qa3", "babi:1+babi:2+babi:3",
+                     ["babi:1", "qa2", 3]):
+        assert load_task(spelling, "train", limit=40)["id"] == mixed["id"][:40]
+    assert load_task(["babi:2"], "test", limit=5).to_dict() == load_babi(2, "test",
+                                                                           limit=5).to_dict()
+
+
+def test_babi_mix_validation_is_carved_by_whole_stories():
+    train = load_task("babi:1+6", "train", seed=3)
+    validation = load_task("babi:1+6", "validation", seed=3)
+    for n in (1, 6):
+        t = {_story(i) for i, task in zip(train["id"], train["task"]) if task == f"babi-qa{n}"}
+        v = {_story(i) for i, task in zip(validation["id"], validation["task"])
+             if task == f"babi-qa{n}"}
+        assert t and v and not t & v
+        assert validation.filter(lambda r, n=n: r["task"] == f"babi-qa{n}")["id"] == \
+            load_babi(n, "validation", seed=3)["id"]
+    assert len(train) + len(validation) == 2000
+    assert set(load_task("babi:1+6", "test")["task"]) == {"babi-qa1", "babi-qa6"}
+
+
+def test_babi_mix_config_keys_and_errors():
+    key = task_config_key("babi:1+2", "train")
+    assert json.loads(json.dumps(key)) == key
+    assert key["task"] == "babi-qa1+qa2" and len(key["source"]) == len(key["source_sha256"]) == 2
+    assert task_config_key("babi:2+1", "train") == key
+    assert task_config_key(["qa1", "babi:2"], "train") == key
+    others = [task_config_key(name, "train") for name in ("babi:1", "babi:1+3", "babi:1+2+3")]
+    others.append(task_config_key("babi:1+2", "validation"))
+    others.append(task_config_key("babi:1+2", "train", seed=1))
+    assert all(other != key for other in others)
+    assert "seed" not in task_config_key("babi:1+2", "test")
+    with pytest.raises(ValueError, match="twice"):
+        load_task("babi:1+1", "train")
+    with pytest.raises(ValueError):
+        load_task("babi:1+", "train")
+    with pytest.raises(ValueError):
+        load_task(["facts", "babi:1"], "train")
+    with pytest.raises(FileNotFoundError):
+        load_task("babi:1+4", "test")

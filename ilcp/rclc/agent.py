@@ -26,43 +26,45 @@ pending inputs and queue. The bound ``messages`` list is never modified.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from ilcp.rclc import inspect as inspect_report
+from ilcp.checks import positive_int
 from ilcp.rclc import snapshot as snapshots
 from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.backends import resolve_backend
 from ilcp.rclc.message import Delivery
-from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE
-from ilcp.rclc.state import SenderState
+from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE, ReceiverPlan, RenderedPrompt
+from ilcp.rclc.report import agent_report
+from ilcp.rclc.state import SenderState, rows_match_ids
 
 
 @dataclass(frozen=True)
-class _Pending:
-    """Inputs handed out by `pop` or `inputs`, awaiting `update(inputs=..., generation=...)`.
+class PendingInputs:
+    """Inputs handed out by `Agent.pop` or `Agent.inputs`, awaiting ``update(inputs=..., generation=...)``.
 
     Attributes:
         inputs: the exact dictionary returned (identity is checked).
         embeds: its ``inputs_embeds`` [1, P, hidden] as returned.
         token_ids: int64 [P] aligned IDs, -1 for continuous rows.
-        inherited: leading rows that count as inherited after the update.
+        inherited_positions: leading rows that count as inherited after the update.
         source: "pop" or "inputs".
     """
 
     inputs: dict
     embeds: torch.Tensor
     token_ids: torch.Tensor
-    inherited: int
+    inherited_positions: int
     source: str
 
-
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    @property
+    def positions(self) -> int:
+        """P, the number of input rows."""
+        return int(self.embeds.shape[1])
 
 
 class Agent:
@@ -112,7 +114,7 @@ class Agent:
             raise ValueError("bind with prompt=... or generation=..., not both")
         if past_key_values is not None and prompt is None:
             raise ValueError("past_key_values needs the exact prompt it was built from: bind(..., prompt=ids, past_key_values=cache)")
-        _positive(max_new_tokens, "max_new_tokens")
+        positive_int("max_new_tokens", max_new_tokens)
         self._receiver = self._backend.receiver(messages, max_new_tokens=max_new_tokens, context_limit=context_limit,
                                                 placement=placement, slot_template=slot_template)
         explicit = None
@@ -126,7 +128,7 @@ class Agent:
             self._check_fits(explicit.positions)
         self._explicit: SenderState | None = explicit
         self._history: tuple[torch.Tensor, SenderState] | None = None
-        self._pending: _Pending | None = None
+        self._pending: PendingInputs | None = None
         self._busy: str | None = None
 
     # ---------------------------------------------------------------------------------------
@@ -172,11 +174,52 @@ class Agent:
         return len(self._receiver)
 
     # ---------------------------------------------------------------------------------------
+    # read-only views (no forward pass; `inspect` and `rclc.check` build on these)
+
+    def describe(self) -> dict:
+        """JSON-serialisable configuration of the bound model and tokenizer (no forward pass)."""
+        return self._backend.describe()
+
+    def queued(self) -> list[tuple[Delivery, RenderedPrompt]]:
+        """Each queued handoff with its prompt snapshot, in queue order (nothing is consumed)."""
+        return self._receiver.queued()
+
+    @property
+    def pending(self) -> PendingInputs | None:
+        """The inputs from the latest `pop` or `inputs` not yet recorded with `update`, or None."""
+        return self._pending
+
+    @property
+    def state_source(self) -> str:
+        """Where the sender state comes from: "explicit", "history" (the bound messages, or their
+        last prefill when the list has been emptied since) or "none"."""
+        if self._explicit is not None:
+            return "explicit"
+        return "history" if self.messages or self._history is not None else "none"
+
+    @property
+    def prepared_state(self) -> SenderState | None:
+        """The sender state as last prepared, without running a forward: the explicit state, else
+        the history as last prefilled (which may predate later changes to ``messages``), else None."""
+        if self._explicit is not None:
+            return self._explicit
+        return None if self._history is None else self._history[1]
+
+    # ---------------------------------------------------------------------------------------
     # guards
 
     def _check_idle(self, operation: str) -> None:
         if self._busy is not None:
             raise RuntimeError(f"{operation} while {self._busy} is in progress on this agent; await it first")
+
+    @contextlib.contextmanager
+    def _running(self, operation: str) -> Iterator[None]:
+        """Mark ``operation`` in progress for the block, so `_check_idle` refuses others meanwhile."""
+        self._busy = operation
+        try:
+            yield
+        finally:
+            self._busy = None
 
     def _check_no_pending(self, operation: str) -> None:
         if self._pending is not None:
@@ -238,11 +281,8 @@ class Agent:
         self._check_no_pending("send state")
         if self._explicit is not None:
             return self._explicit
-        self._busy = "a history prefill"
-        try:
+        with self._running("a history prefill"):
             state, history = await run_in_worker(self._prepare_state, lock=False)
-        finally:
-            self._busy = None
         self._history = history
         return state
 
@@ -259,15 +299,15 @@ class Agent:
             return self._backend.embed(ids[0]), ids[0], 0, 0
 
     # ---------------------------------------------------------------------------------------
-    # the receiver protocol (transfer calls these)
+    # the receiver protocol (`RowReceiver`: transfer calls these), delegated to the inbox
 
-    def _rclc_check_sender(self, state) -> None:
+    def _rclc_check_sender(self, state: SenderState) -> None:
         self._receiver._rclc_check_sender(state)
 
-    def _rclc_plan(self, request):
+    def _rclc_plan(self, request) -> ReceiverPlan:
         return self._receiver._rclc_plan(request)
 
-    def _rclc_accept(self, delivery: Delivery, plan) -> None:
+    def _rclc_accept(self, delivery: Delivery, plan: ReceiverPlan) -> None:
         self._receiver._rclc_accept(delivery, plan)
 
     # ---------------------------------------------------------------------------------------
@@ -292,8 +332,8 @@ class Agent:
         if not discard_pending:
             self._check_no_pending("pop another handoff")
         inputs, layout = self._receiver.prepare_next(prompt, max_new_tokens)
-        pending = _Pending(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=layout.token_ids,
-                           inherited=layout.received_stop, source="pop")
+        pending = PendingInputs(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=layout.token_ids,
+                                inherited_positions=layout.received_stop, source="pop")
         self._receiver.consume_next()
         self._pending = pending
         return inputs
@@ -311,9 +351,8 @@ class Agent:
         """
         self._check_idle("inputs()")
         self._check_no_pending("prepare inputs")
-        allowance = self.max_new_tokens if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
-        self._busy = "inputs()"
-        try:
+        allowance = self.max_new_tokens if max_new_tokens is None else positive_int("max_new_tokens", max_new_tokens)
+        with self._running("inputs()"):
             rows, ids, inherited, _ = await run_in_worker(self._current_rows, lock=False)
             if rows.shape[0] + allowance > self.context_limit:
                 raise ValueError(
@@ -321,10 +360,8 @@ class Agent:
                     f"context limit of {self.context_limit}"
                 )
             inputs = self._backend.generation_inputs(rows, allowance)
-        finally:
-            self._busy = None
-        self._pending = _Pending(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=ids.clone(),
-                                 inherited=inherited, source="inputs")
+        self._pending = PendingInputs(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=ids.clone(),
+                                      inherited_positions=inherited, source="inputs")
         return inputs
 
     def update(self, source=None, *, inputs: dict | None = None, generation=None, past_key_values=None) -> None:
@@ -363,7 +400,8 @@ class Agent:
             if inputs.get("inputs_embeds") is not pending.embeds:
                 raise ValueError("inputs['inputs_embeds'] was replaced; pass the dictionary as it was returned")
             with MODEL_LOCK:
-                state = self._backend.continuation_state(pending.embeds[0], pending.token_ids, pending.inherited, generation)
+                state = self._backend.continuation_state(pending.embeds[0], pending.token_ids, pending.inherited_positions,
+                                                         generation)
         elif generation is not None:
             if source is not None or past_key_values is not None:
                 raise ValueError("pass generation=... alone, or exact IDs with an optional past_key_values")
@@ -397,11 +435,8 @@ class Agent:
         self._check_idle("append()")
         self._check_no_pending("append")
         ids = self._backend.content_ids(content)
-        self._busy = "append()"
-        try:
+        with self._running("append()"):
             state, history = await run_in_worker(self._appended_state, ids, lock=False)
-        finally:
-            self._busy = None
         if history is not None:
             self._history = history
         self._explicit = state
@@ -438,11 +473,8 @@ class Agent:
         self._check_idle("save()")
         self._check_no_pending("save")
         self._check_no_queue("save")
-        self._busy = "save()"
-        try:
+        with self._running("save()"):
             await run_in_worker(self._write_snapshot, Path(path), lock=False)
-        finally:
-            self._busy = None
 
     def _write_snapshot(self, path: Path) -> None:
         with MODEL_LOCK:
@@ -465,11 +497,8 @@ class Agent:
         self._check_idle("load()")
         self._check_no_pending("load")
         self._check_no_queue("load")
-        self._busy = "load()"
-        try:
+        with self._running("load()"):
             state = await run_in_worker(self._read_snapshot, Path(path), lock=False)
-        finally:
-            self._busy = None
         self._explicit = state
 
     def _read_snapshot(self, path: Path) -> SenderState:
@@ -481,21 +510,19 @@ class Agent:
                                        context_limit=self.context_limit)
             rows = snap.input_embeds.to(backend.device)
             ids = snap.token_ids
-            known = (ids >= 0).nonzero().flatten()
-            if known.numel():
-                expected = backend.embed(ids[known])
-                if not torch.allclose(rows[known.to(rows.device)].float(), expected.float(), rtol=1e-3, atol=1e-5):
-                    raise snapshots.SnapshotError("the snapshot's rows do not match the embeddings of its token IDs")
+            if not rows_match_ids(rows, ids, backend.embed):
+                raise snapshots.SnapshotError("the snapshot's rows do not match the embeddings of its token IDs")
             return backend.rows_state(rows, ids, snap.inherited_positions, snap.latent_steps)
 
     # ---------------------------------------------------------------------------------------
     # inspection
 
     def inspect(self, selection: bool = False) -> dict:
-        """A JSON-serialisable report: queued deliveries (per-sender positions, payload bytes,
-        remaining positions), pending inputs, the prepared sender state. No forward pass; nothing
-        is consumed. ``selection=True`` adds each delivery's selection records."""
-        return inspect_report.agent_report(self, selection=selection)
+        """A JSON-serialisable report (`ilcp.rclc.report`): queued deliveries (per-sender
+        positions, tensor bytes, remaining positions), pending inputs, the prepared sender state.
+        No forward pass; nothing is consumed. ``selection=True`` adds each delivery's selection
+        records."""
+        return agent_report(self, selection=selection)
 
     def selection_html(self, request_index: int = 0) -> str:
         """HTML of a queued delivery's recorded selection (kept spans in green).
@@ -504,7 +531,7 @@ class Agent:
             IndexError: no queued handoff at ``request_index``.
             ValueError: the transfer did not record selections.
         """
-        queued = self._receiver.queued()
+        queued = self.queued()
         if isinstance(request_index, bool) or not isinstance(request_index, int):
             raise TypeError(f"request_index must be an int, got {type(request_index).__name__}")
         if not 0 <= request_index < len(queued):
@@ -512,9 +539,8 @@ class Agent:
         return queued[request_index][0].selection_html()
 
     def __repr__(self) -> str:
-        source = "explicit" if self._explicit is not None else ("history" if self.messages else "none")
         return (
-            f"Agent(backend={self.backend!r}, model={type(self.model).__name__}, state={source}, "
+            f"Agent(backend={self.backend!r}, model={type(self.model).__name__}, state={self.state_source}, "
             f"queued={len(self)}, pending={self._pending is not None})"
         )
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from ilcp.checks import positive_int
+
 DEFAULT_RATIO = 4
 
 
@@ -36,11 +38,10 @@ class BudgetMode:
 
 
 def _positive_int(value, name: str) -> int:
+    """`ilcp.checks.positive_int`, except that a value of another type (a bool, a float) raises TypeError."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
+    return positive_int(name, value)
 
 
 def resolve_mode(ratio: int | None = None, budget: int | None = None) -> BudgetMode:

@@ -86,7 +86,7 @@ def _vllm_issues(versions: dict, gpu: dict, allow_unstable: bool) -> list[dict]:
 
 
 def _agent_report(agent) -> tuple[dict, list[dict]]:
-    config = agent._backend.describe()
+    config = agent.describe()
     report = {
         **config,
         "backend": agent.backend,
@@ -94,7 +94,7 @@ def _agent_report(agent) -> tuple[dict, list[dict]]:
         "max_new_tokens": agent.max_new_tokens,
         "placement": agent.placement,
         "queued": len(agent),
-        "pending": agent._pending is not None,
+        "pending": agent.pending is not None,
     }
     issues = []
     if config.get("training"):

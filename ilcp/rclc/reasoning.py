@@ -157,7 +157,3 @@ def check_extension(before: SenderState, after, max_positions: int) -> None:
         for (k0, v0), (k1, v1) in zip(old, new):
             if not (torch.equal(k1[..., :n, :], k0) and torch.equal(v1[..., :n, :], v0)):
                 raise ValueError("a reasoning method changed the cache prefix")
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)

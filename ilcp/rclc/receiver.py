@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from ilcp.checks import positive_int
 from ilcp.rclc import budget as budget_rules
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
@@ -50,10 +52,52 @@ class RenderedPrompt:
 
 @dataclass(frozen=True)
 class ReceiverPlan:
-    """A receiver's snapshot for one request: its rendered prompt and the space left for rows."""
+    """A receiver's snapshot for one request: its rendered prompt and the space left for rows.
+
+    Attributes:
+        prompt: the prompt rendered against the history as it was when the request was planned.
+        space: positions the receiver can hold for received rows (context limit - prompt -
+            output allowance); may be negative, which makes the transfer fail before selection.
+    """
 
     prompt: RenderedPrompt
     space: int
+
+
+@runtime_checkable
+class RowReceiver(Protocol):
+    """A receiver that takes part in budget fitting (`HFReceiver` and `Agent` are ones).
+
+    `transfer` treats every receiver that has both methods as a RowReceiver (any other receiver
+    must be a callable taking a `Delivery`). For one call it:
+
+    1. calls ``_rclc_check_sender(state)`` for every sender's `SenderState`, when the receiver
+       defines it (optional; it raises ValueError for a sender it cannot read, e.g. another
+       checkpoint), before any model work;
+    2. calls `_rclc_plan` once per request, before any model work;
+    3. after every message is built, calls `_rclc_accept` once per request, in request order
+       and then receiver-list order, with the plan `_rclc_plan` returned for that request.
+
+    An exception from the first two steps delivers nothing; one from `_rclc_accept` propagates
+    at once and leaves earlier deliveries in place.
+    """
+
+    def _rclc_plan(self, request: str | torch.Tensor) -> ReceiverPlan:
+        """Snapshot what the receiver will put around the rows for ``request``.
+
+        Args:
+            request: the request as passed to `transfer` (a string or int64 [1, tokens] IDs).
+        Returns:
+            a `ReceiverPlan`; `transfer` reads its ``space`` and fits every sender's budget to
+            the tightest receiver of the request.
+        Raises:
+            ValueError / TypeError: a request this receiver cannot render.
+        """
+        ...
+
+    def _rclc_accept(self, delivery: Delivery, plan: ReceiverPlan) -> None:
+        """Take ``delivery`` (the request and one selected `Message` per sender) with its ``plan``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -86,12 +130,6 @@ def received_token_ids(delivery: Delivery) -> torch.Tensor:
 class _Queued:
     delivery: Delivery
     prompt: RenderedPrompt
-
-
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class HFReceiver:
@@ -127,11 +165,11 @@ class HFReceiver:
         model_limit = hf.context_limit(model)
         if context_limit is None:
             context_limit = model_limit
-        _positive(context_limit, "context_limit")
+        positive_int("context_limit", context_limit)
         if context_limit > model_limit:
             raise ValueError(f"context_limit={context_limit} exceeds the model's {model_limit} positions")
         if max_new_tokens is not None:
-            _positive(max_new_tokens, "max_new_tokens")
+            positive_int("max_new_tokens", max_new_tokens)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         if not isinstance(slot_template, str) or slot_template.count("{context}") != 1 or slot_template.count("{request}") != 1:
@@ -191,21 +229,24 @@ class HFReceiver:
 
     def handoff_space(self, request, max_new_tokens: int | None = None) -> int:
         """Positions left for received rows: context limit - rendered prompt - output allowance."""
-        allowance = self.output_allowance if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        allowance = self.output_allowance if max_new_tokens is None else positive_int("max_new_tokens", max_new_tokens)
         return budget_rules.handoff_space(self.context_limit, self.render(request).positions, allowance)
 
     # ---------------------------------------------------------------------------------------
-    # the transfer protocol
+    # the transfer protocol (`RowReceiver`)
 
     def _rclc_check_sender(self, state) -> None:
+        """Reject a sender of another architecture, checkpoint or vocabulary (ValueError)."""
         hf.check_same_checkpoint(state.model, state.tokenizer, self.model, self.tokenizer)
 
     def _rclc_plan(self, request) -> ReceiverPlan:
+        """The prompt snapshot for ``request`` and the space it leaves (see `RowReceiver`)."""
         prompt = self.render(request)
         space = budget_rules.handoff_space(self.context_limit, prompt.positions, self.output_allowance)
         return ReceiverPlan(prompt=prompt, space=space)
 
     def _rclc_accept(self, delivery: Delivery, plan: ReceiverPlan) -> None:
+        """Queue ``delivery`` with the prompt snapshot taken when it was planned."""
         self._queue.append(_Queued(delivery, plan.prompt))
 
     def __call__(self, delivery: Delivery) -> None:
@@ -260,7 +301,7 @@ class HFReceiver:
             raise IndexError("the receiver has no queued handoff")
         entry = self._queue[0]
         rendered = entry.prompt if prompt is None else self.render(prompt)
-        allowance = self.output_allowance if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        allowance = self.output_allowance if max_new_tokens is None else positive_int("max_new_tokens", max_new_tokens)
         weight = hf.embedding_weight(self.model)
         with MODEL_LOCK:
             rows = entry.delivery.rows(weight)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,6 +19,27 @@ def _check_count(value: Any, name: str) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def rows_match_ids(rows: torch.Tensor, token_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether the rows with a known token ID reproduce that ID's input embedding.
+
+    The one check behind `SenderState` validation, mixed messages in `transfer` and snapshot
+    loading. Rows whose ID is -1 (continuous) are not compared.
+
+    Args:
+        rows: [T, hidden] input rows.
+        token_ids: int64 [T] aligned IDs, -1 for continuous rows (any device).
+        embed: maps int64 [n] IDs to the expected rows [n, hidden] (the model's embedding
+            module, or the table lookup a receiver will use to rebuild the rows).
+    Returns:
+        True when every known row matches within rtol 1e-3, atol 1e-5 (also when none is known).
+    """
+    known = (token_ids >= 0).nonzero().flatten()
+    if known.numel() == 0:
+        return True
+    expected = embed(token_ids[known])
+    return torch.allclose(rows[known.to(rows.device)].float(), expected.to(rows.device).float(), rtol=1e-3, atol=1e-5)
 
 
 @dataclass(eq=False)
@@ -108,11 +129,8 @@ class SenderState:
             raise ValueError(f"token_ids must be -1 (continuous) or in [0, {weight.shape[0]})")
         if latent and bool((ids[n - latent:] != -1).any()):
             raise ValueError("the latent tail must have token_ids -1")
-        known = (ids >= 0).nonzero().flatten()
-        if known.numel():
-            expected = hf.embed_ids(model, ids[known])
-            if not torch.allclose(rows[known.to(rows.device)].float(), expected.float(), rtol=1e-3, atol=1e-5):
-                raise ValueError("input_embeds rows do not match the embeddings of their token_ids")
+        if not rows_match_ids(rows, ids, lambda known: hf.embed_ids(model, known)):
+            raise ValueError("input_embeds rows do not match the embeddings of their token_ids")
 
     def replace(self, **changes: Any) -> "SenderState":
         """A new, validated state with some fields changed (tensors are shared, not copied)."""

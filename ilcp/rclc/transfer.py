@@ -16,9 +16,8 @@ waits for the running worker, then raises CancelledError.
 Extension points for other sender and receiver kinds (bound agents, other backends):
 a sender may be any object with ``sender_state()`` (sync or async) returning a SenderState
 (``_rclc_sender_state()``, when present, is preferred: `Agent` prefills there in a worker); a
-receiver that takes part in budget fitting implements ``_rclc_plan(request)`` (returning an
-object with ``space``, the positions it can hold), ``_rclc_accept(delivery, plan)`` and,
-optionally, ``_rclc_check_sender(state)``, as `HFReceiver` does.
+receiver that takes part in budget fitting implements the `RowReceiver` protocol
+(`ilcp.rclc.receiver`), as `HFReceiver` and `Agent` do.
 """
 
 from __future__ import annotations
@@ -30,14 +29,16 @@ from typing import Any
 
 import torch
 
+from ilcp.checks import positive_int
 from ilcp.rclc import budget as budget_rules
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import require_no_running_loop, run_in_worker
 from ilcp.rclc.message import REPRESENTATIONS, Delivery, Message
 from ilcp.rclc.reasoning import REASONING_CONTEXTS, run_method
+from ilcp.rclc.receiver import ReceiverPlan, RowReceiver
 from ilcp.rclc.record import record_selection as build_record
 from ilcp.rclc.selectors import DEFAULT_SELECTOR, is_builtin, validate_positions
-from ilcp.rclc.state import SenderState
+from ilcp.rclc.state import SenderState, rows_match_ids
 
 
 @dataclass
@@ -89,10 +90,6 @@ def _request_ids(state: SenderState, request) -> torch.Tensor:
     raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")
 
 
-def _is_planned_receiver(receiver) -> bool:
-    return hasattr(receiver, "_rclc_plan") and hasattr(receiver, "_rclc_accept")
-
-
 async def transfer(
     sender,
     receiver,
@@ -111,7 +108,8 @@ async def transfer(
 
     Args:
         sender: a SenderState (or an object with ``sender_state()``), or a list of them.
-        receiver: an HFReceiver, a callable taking a Delivery (sync or async), or a list.
+        receiver: a `RowReceiver` (an HFReceiver or a bound Agent), a callable taking a Delivery
+            (sync or async), or a list.
         request: a string or a nonempty int64 [1, tokens] tensor, or a list; each request goes
             to every receiver.
         ratio / budget: relative (r4 when neither is given) or bounded position budget per sender.
@@ -139,23 +137,23 @@ async def transfer(
     receivers = _items(receiver, "receiver")
     requests = _items(request, "request")
     for r in receivers:
-        if not (_is_planned_receiver(r) or callable(r)):
-            raise TypeError(f"a receiver must be an HFReceiver or a callable, got {type(r).__name__}")
+        if not (isinstance(r, RowReceiver) or callable(r)):
+            raise TypeError(f"a receiver must be an HFReceiver, a bound Agent (a RowReceiver) or a callable, got {type(r).__name__}")
     states = [await _sender_state(s) for s in senders]
     for state in states:
         state.validate()
     request_ids = [[_request_ids(state, q) for state in states] for q in requests]
 
     # Receivers: checkpoint checks and prompt snapshots before any model work.
-    plans: dict[int, list] = {}
-    for i, r in enumerate(receivers):
-        if _is_planned_receiver(r):
-            check = getattr(r, "_rclc_check_sender", None)
+    row_receivers: dict[int, RowReceiver] = {i: r for i, r in enumerate(receivers) if isinstance(r, RowReceiver)}
+    plans: dict[int, list[ReceiverPlan]] = {}
+    for i, r in row_receivers.items():
+        check = getattr(r, "_rclc_check_sender", None)
+        if check is not None:
             for state in states:
-                if check is not None:
-                    check(state)
-            plans[i] = [r._rclc_plan(q) for q in requests]
-    spaces = [budget_rules.tightest(getattr(plans[i][qi], "space", None) for i in plans) for qi in range(len(requests))]
+                check(state)
+        plans[i] = [r._rclc_plan(q) for q in requests]
+    spaces = [budget_rules.tightest(plans[i][qi].space for i in plans) for qi in range(len(requests))]
 
     # Reasoning before selection.
     routes: list[list[_Route]] = []
@@ -188,8 +186,8 @@ async def transfer(
     # Deliver: request order, then receiver order.
     for qi, delivery in enumerate(deliveries):
         for i, r in enumerate(receivers):
-            if i in plans:
-                r._rclc_accept(delivery, plans[i][qi])
+            if i in row_receivers:
+                row_receivers[i]._rclc_accept(delivery, plans[i][qi])
                 continue
             result = r(delivery)
             if inspect.isawaitable(result):
@@ -255,8 +253,8 @@ def _check_reasoning(reasoning, context, reasoning_budget) -> bool:
         raise TypeError("reasoning must be callable: method(state, *, max_positions, request=None) -> SenderState")
     if context is not None and context not in REASONING_CONTEXTS:
         raise ValueError(f"reasoning_context must be one of {REASONING_CONTEXTS}, got {context!r}")
-    if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int) or reasoning_budget < 1):
-        raise ValueError(f"reasoning_budget must be a positive int, got {reasoning_budget!r}")
+    if reasoning_budget is not None:
+        positive_int("reasoning_budget", reasoning_budget)
     post = context in ("selected", "selected_with_request")
     if post and reasoning_budget is None:
         raise ValueError(f"reasoning_context={context!r} runs after selection and requires reasoning_budget=N")
@@ -302,13 +300,12 @@ def _build_message(state: SenderState, positions: torch.Tensor, representation: 
         ids = torch.full((rows.shape[0],), -1, dtype=torch.long)
     else:
         ids = state.token_ids[positions.to(state.token_ids.device)].detach().cpu().clone()
+    weight = hf.embedding_weight(state.model)
+    # Compared with the table lookup that `Message.materialize` uses to rebuild the rows.
+    if not rows_match_ids(rows, ids, lambda known: weight[known.to(weight.device)]):
+        raise ValueError(
+            "the selected token IDs do not reproduce the sender's input rows (embedding table "
+            "lookups differ); use representation='embeddings'"
+        )
     known = ids >= 0
-    if bool(known.any()):
-        weight = hf.embedding_weight(state.model)
-        expected = weight[ids[known].to(weight.device)]
-        if not torch.allclose(rows[known.to(rows.device)].float(), expected.float(), rtol=1e-3, atol=1e-5):
-            raise ValueError(
-                "the selected token IDs do not reproduce the sender's input rows (embedding table "
-                "lookups differ); use representation='embeddings'"
-            )
     return Message(rows=rows[(~known).to(rows.device)].clone(), token_ids=ids, representation=representation, source=source)

@@ -429,3 +429,26 @@ def test_cancelled_transfer_keeps_the_history_cache(model, tokenizer, history_x,
     assert x._history is None and x._busy is None and len(y) == 0
     rclc.transfer_sync(x, y, "Who owns Cedar?")  # reusable once cancellation completes
     assert len(y) == 1
+
+
+def test_public_views_follow_the_state_machine(model, tokenizer, history_x, history_y):
+    x = rclc.bind(model, tokenizer, messages=history_x)
+    y = rclc.bind(model, tokenizer, messages=history_y, max_new_tokens=4)
+    assert rclc.bind(model, tokenizer).state_source == "none"
+    assert x.state_source == "history" and x.prepared_state is None  # the prefill is lazy
+    assert x.describe()["architecture"] == type(model).__name__
+    state = x.sender_state()
+    assert x.prepared_state is state
+    rclc.transfer_sync(x, y, "Who owns Cedar?")
+    (delivery, prompt), = y.queued()
+    assert delivery is y._receiver.peek() and prompt.positions == y._receiver.render("Who owns Cedar?").positions
+    assert y.pending is None
+    inputs = y.pop()
+    pending = y.pending
+    assert pending.inputs is inputs and pending.source == "pop" and y.queued() == []
+    assert pending.positions == inputs["inputs_embeds"].shape[1] and pending.inherited_positions == delivery.positions
+    y.update(inputs=inputs, generation=model.generate(**inputs, do_sample=False, return_dict_in_generate=True))
+    assert y.pending is None and y.state_source == "explicit" and y.prepared_state is y._explicit
+    assert y.prepared_state.inherited_positions == delivery.positions
+    with pytest.raises(AttributeError):
+        y.pending = None  # read-only

@@ -107,3 +107,14 @@ def test_select_groups_trims_last_group():
     assert kept.tolist() == [0, 4, 5, 8, 9, 10, 11]
     kept = selectors.select_groups(scores, 5, torch.tensor([0]), group_size=1)
     assert kept.tolist() == [0, 4, 5, 6, 11]
+
+
+def test_selector_settings_are_checked():
+    for make in (lambda: selectors.CacheBack(window=0), lambda: selectors.ChunkKV(chunk_size=0),
+                 lambda: selectors.QSnap(kernel_size=0), lambda: selectors.CacheBack(window=2.0)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            make()
+    with pytest.raises(ValueError, match="odd"):
+        selectors.QSnap(kernel_size=4)
+    with pytest.raises(ValueError, match="tail_queries"):
+        selectors.CacheBack(tail_queries=-1)

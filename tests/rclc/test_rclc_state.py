@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ilcp import compat, rclc
+from ilcp.rclc import hf
 
 
 def _keys(cache):
@@ -105,3 +106,21 @@ def test_private_copy_shares_nothing(sender):
     assert copy_.input_embeds.data_ptr() != sender.input_embeds.data_ptr()
     assert copy_.past_key_values.layers[0].keys.data_ptr() != sender.past_key_values.layers[0].keys.data_ptr()
     assert torch.equal(copy_.input_embeds, sender.input_embeds)
+
+
+def test_rows_match_ids_compares_known_rows_only(model, sender):
+    from ilcp.rclc.state import rows_match_ids
+
+    def embed(ids):
+        return hf.embed_ids(model, ids)
+
+    rows, ids = sender.input_embeds, sender.token_ids
+    assert rows_match_ids(rows, ids, embed)
+    assert not rows_match_ids(rows, ids.roll(1), embed)
+    continuous = ids.clone()
+    continuous[3:6] = -1
+    changed = rows.clone()
+    changed[3:6] += 1.0  # continuous rows are not compared
+    assert rows_match_ids(changed, continuous, embed)
+    assert not rows_match_ids(changed, ids, embed)
+    assert rows_match_ids(changed, torch.full_like(ids, -1), embed)

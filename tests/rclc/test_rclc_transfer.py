@@ -13,6 +13,7 @@ from ilcp.lm import build_tiny_qwen3, build_tiny_tokenizer
 from ilcp import compat
 from ilcp.rclc import hf
 from ilcp.rclc import budget as b
+from ilcp.rclc.receiver import ReceiverPlan, RenderedPrompt, RowReceiver
 
 REQUEST = "Who owns Cedar?"
 HISTORY = [{"role": "system", "content": "Answer the question with one word."}]
@@ -270,6 +271,7 @@ def test_option_errors(sender):
         (dict(representation="text"), ValueError),
         (dict(reasoning_context="full"), ValueError),
         (dict(reasoning_budget=4), ValueError),
+        (dict(reasoning=_two_latent_steps, reasoning_budget=0), ValueError),
         (dict(reasoning=_two_latent_steps, reasoning_context="selected"), ValueError),
         (dict(reasoning=_two_latent_steps, reasoning_context="later", reasoning_budget=2), ValueError),
         (dict(selector="cacheback"), TypeError),
@@ -291,3 +293,65 @@ def test_transfer_sync_refuses_a_running_loop(sender):
             rclc.transfer_sync(sender, [].append, REQUEST)
 
     asyncio.run(main())
+
+
+class _PlannedInbox:
+    """A minimal RowReceiver: a fixed space for rows, recording every hook call."""
+
+    def __init__(self, space):
+        self.space = space
+        self.calls = []
+
+    def _rclc_plan(self, request):
+        empty = torch.zeros(1, 0, dtype=torch.long)
+        plan = ReceiverPlan(prompt=RenderedPrompt(empty, empty), space=self.space)
+        self.calls.append(("plan", request, plan))
+        return plan
+
+    def _rclc_accept(self, delivery, plan):
+        self.calls.append(("accept", delivery, plan))
+
+
+def test_row_receivers_take_part_in_budget_fitting(model, tokenizer, sender):
+    assert isinstance(rclc.HFReceiver(model, tokenizer), RowReceiver)
+    assert isinstance(rclc.bind(model, tokenizer), RowReceiver)
+    inbox = []
+    assert not isinstance(inbox.append, RowReceiver) and not isinstance(print, RowReceiver)
+
+    planned = _PlannedInbox(space=5)
+    requests = [REQUEST, "Where is John?"]
+    rclc.transfer_sync(sender, [inbox.append, planned], requests, ratio=1)
+    # Both requests are planned before anything is accepted, then accepted in request order with their own plan.
+    assert [c[0] for c in planned.calls] == ["plan", "plan", "accept", "accept"]
+    plans = [c[2] for c in planned.calls[:2]]
+    assert [c[1] for c in planned.calls[:2]] == requests
+    assert [c[2] for c in planned.calls[2:]] == plans
+    assert [c[1] for c in planned.calls[2:]] == inbox  # the plain callback gets the same deliveries
+    assert all(d.positions == 5 for d in inbox)  # the planned space binds every receiver of the request
+
+    class Vetoing(_PlannedInbox):
+        def _rclc_check_sender(self, state):
+            self.calls.append(("check", state))
+            raise ValueError("not this sender")
+
+    vetoing, inbox = Vetoing(space=None), []
+    with pytest.raises(ValueError, match="not this sender"):
+        rclc.transfer_sync(sender, [inbox.append, vetoing], REQUEST)
+    assert vetoing.calls == [("check", sender)] and inbox == []
+
+    with pytest.raises(ValueError, match="room for -1"):
+        rclc.transfer_sync(sender, [inbox.append, _PlannedInbox(space=-1)], REQUEST)
+    assert inbox == []
+
+
+def test_mixed_messages_are_checked_against_the_receivers_table_lookup(sender, monkeypatch):
+    inbox = []
+    rclc.transfer_sync(sender, inbox.append, REQUEST, representation="token_ids+continuous")
+    real = hf.embedding_weight
+    # An embedding module that scales its table: the module's rows are not `weight[ids]`, which is
+    # what Message.materialize would rebuild on the receiver.
+    monkeypatch.setattr(hf, "embedding_weight", lambda model: real(model) * 2.0)
+    with pytest.raises(ValueError, match="do not reproduce the sender's input rows"):
+        rclc.transfer_sync(sender, inbox.append, REQUEST, representation="token_ids+continuous")
+    rclc.transfer_sync(sender, inbox.append, REQUEST)  # embeddings carry the rows themselves
+    assert len(inbox) == 2

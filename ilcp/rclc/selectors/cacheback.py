@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ilcp.checks import positive_int
 from ilcp.rclc.selectors.base import AttentionProfile, Selector
 
 
@@ -26,8 +27,7 @@ class CacheBack(Selector):
     tail_queries: int = 16
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        positive_int("window", self.window)
         if self.tail_queries < 0:
             raise ValueError(f"tail_queries must be >= 0, got {self.tail_queries}")
         self.group_size = self.window

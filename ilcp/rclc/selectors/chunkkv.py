@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ilcp.checks import positive_int
 from ilcp.rclc.selectors.base import AttentionProfile, Selector
 
 
@@ -22,8 +23,7 @@ class ChunkKV(Selector):
     group_reduce = "sum"
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        positive_int("chunk_size", self.chunk_size)
         self.group_size = self.chunk_size
 
     def score(self, profile: AttentionProfile) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ilcp.checks import positive_int
 from ilcp.rclc.selectors.base import AttentionProfile, Selector
 
 
@@ -22,7 +23,7 @@ class QSnap(Selector):
     kernel_size: int = 5
 
     def __post_init__(self) -> None:
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if positive_int("kernel_size", self.kernel_size) % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {self.kernel_size}")
 
     def score(self, profile: AttentionProfile) -> torch.Tensor:

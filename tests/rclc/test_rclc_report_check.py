@@ -18,6 +18,7 @@ import torch
 
 from ilcp import rclc
 from ilcp.rclc import __main__ as doctor_cli
+from ilcp.rclc import report as report_module
 
 check_module = importlib.import_module("ilcp.rclc.check")  # ``rclc.check`` is the function
 
@@ -64,10 +65,10 @@ def test_inspect_runs_no_forward_and_consumes_nothing(model, tokenizer, history_
     assert first["request"] == "Who owns Cedar?"
     sender = first["senders"][0]
     assert sender["positions"] == first["positions"] and sender["representation"] == "token_ids+continuous"
-    assert sender["payload_bytes"] == first["payload_bytes"] > 0
+    assert sender["tensor_bytes"] == first["tensor_bytes"] > 0
     assert sender["continuous_positions"] + sender["token_id_positions"] == sender["positions"]
     assert first["remaining_positions"] == y.context_limit - first["prompt_positions"] - 4 - first["positions"]
-    assert report["payload_bytes"] == sum(d["payload_bytes"] for d in report["deliveries"])
+    assert report["tensor_bytes"] == sum(d["tensor_bytes"] for d in report["deliveries"])
     assert report["pending"] is None and report["sender"]["cached_positions"] == 0  # y never prefilled
     assert x_report["sender"]["cached_positions"] == x_state.positions and x_report["sender"]["source"] == "history"
     inputs = y.pop()
@@ -108,6 +109,35 @@ def test_selection_reports_and_views(model, tokenizer, history_x, history_y):
     with pytest.raises(TypeError):
         y.selection_html(request_index="1")
     assert len(y) == 3  # nothing consumed
+
+
+class _PublicOnly:
+    """An agent seen through its public names only: any private attribute raises AttributeError."""
+
+    def __init__(self, agent):
+        object.__setattr__(self, "agent", agent)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"the report read the private attribute {name!r}")
+        return getattr(self.agent, name)
+
+    def __len__(self):
+        return len(self.agent)
+
+
+def test_report_and_check_read_only_public_agent_views(model, tokenizer, history_x, history_y):
+    assert importlib.util.find_spec("ilcp.rclc.inspect") is None  # nothing shadows the standard library
+    x = rclc.bind(model, tokenizer, messages=history_x)
+    y = rclc.bind(model, tokenizer, messages=history_y, max_new_tokens=4)
+    rclc.transfer_sync(x, y, "Who owns Cedar?", record_selection=True)
+    x.sender_state()
+    for agent in (x, y):
+        assert report_module.agent_report(_PublicOnly(agent), selection=True) == agent.inspect(selection=True)
+        assert rclc.check(_PublicOnly(agent))["agent"] == rclc.check(agent)["agent"]
+    y.pop()
+    assert report_module.agent_report(_PublicOnly(y)) == y.inspect()
+    assert rclc.check(_PublicOnly(y))["agent"]["pending"] is True
 
 
 # ------------------------------------------------------------------------------------ check

@@ -2,12 +2,12 @@
 
     {
       "backend": "hf", "context_limit": 4096, "max_new_tokens": 128, "placement": "prefix",
-      "queued": 1, "payload_bytes": 8192,
+      "queued": 1, "tensor_bytes": 8192,
       "deliveries": [{
-          "index": 0, "request": "Who owns Cedar?", "positions": 32, "payload_bytes": 8192,
+          "index": 0, "request": "Who owns Cedar?", "positions": 32, "tensor_bytes": 8192,
           "prompt_positions": 20, "output_positions": 128,
           "remaining_positions": 3916,      # context - prompt - output - received; < 0: will not fit
-          "senders": [{"positions": 32, "payload_bytes": 8192, "representation": "embeddings",
+          "senders": [{"positions": 32, "tensor_bytes": 8192, "representation": "embeddings",
                        "continuous_positions": 32, "token_id_positions": 0}],
           "selection": [...]                # only with selection=True; None where not recorded
       }],
@@ -16,9 +16,15 @@
                  "latent_steps": 0, "cached_positions": 40, "remaining_positions": 3928}
     }
 
-``cached_positions`` describes the prepared state (the explicit state, or the history as last
-prefilled), not chat history changed since; ``sender.remaining_positions`` is the room left for
-local generation after it and the output reservation.
+``tensor_bytes`` is `Message.nbytes` (summed over messages and deliveries): the bytes of the
+payload tensors only, without Python objects, metadata (selection records included) or
+transport framing; the spec's "payload bytes". ``cached_positions`` describes the prepared state
+(the explicit state, or the history as last prefilled), not chat history changed since;
+``sender.remaining_positions`` is the room left for local generation after it and the output
+reservation.
+
+The report reads the agent through its public views only (`Agent.queued`, `Agent.pending`,
+`Agent.state_source`, `Agent.prepared_state` and its settings).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def _message(m) -> dict:
     continuous = m.positions if m.token_ids is None else int((m.token_ids == -1).sum())
     return {
         "positions": m.positions,
-        "payload_bytes": m.nbytes,
+        "tensor_bytes": m.nbytes,
         "representation": m.representation,
         "continuous_positions": continuous,
         "token_id_positions": m.positions - continuous,
@@ -43,55 +49,50 @@ def _message(m) -> dict:
 
 def agent_report(agent, *, selection: bool = False) -> dict:
     """The report described in the module docstring for ``agent`` (an `Agent`)."""
-    receiver = agent._receiver
-    allowance = receiver.output_allowance
+    allowance = agent.max_new_tokens
+    context_limit = agent.context_limit
     deliveries = []
-    for index, (delivery, prompt) in enumerate(receiver.queued()):
+    for index, (delivery, prompt) in enumerate(agent.queued()):
         entry = {
             "index": index,
             "request": _request(delivery.request),
             "positions": delivery.positions,
-            "payload_bytes": delivery.nbytes,
+            "tensor_bytes": delivery.nbytes,
             "prompt_positions": prompt.positions,
             "output_positions": allowance,
-            "remaining_positions": receiver.context_limit - prompt.positions - allowance - delivery.positions,
+            "remaining_positions": context_limit - prompt.positions - allowance - delivery.positions,
             "senders": [_message(m) for m in delivery.messages],
         }
         if selection:
             entry["selection"] = delivery.inspect_selection()
         deliveries.append(entry)
 
-    pending = agent._pending
+    pending = agent.pending
     pending_report = None
     if pending is not None:
         pending_report = {
             "source": pending.source,
-            "positions": int(pending.embeds.shape[1]),
-            "inherited_positions": pending.inherited,
+            "positions": pending.positions,
+            "inherited_positions": pending.inherited_positions,
         }
 
-    if agent._explicit is not None:
-        state, source = agent._explicit, "explicit"
-    elif agent._history is not None:
-        state, source = agent._history[1], "history"
-    else:
-        state, source = None, "history" if agent.messages else "none"
+    state = agent.prepared_state
     cached = 0 if state is None else state.positions
     sender = {
-        "source": source,
+        "source": agent.state_source,
         "positions": None if state is None else state.positions,
         "inherited_positions": None if state is None else state.inherited_positions,
         "latent_steps": None if state is None else state.latent_steps,
         "cached_positions": cached,
-        "remaining_positions": None if state is None else receiver.context_limit - cached - allowance,
+        "remaining_positions": None if state is None else context_limit - cached - allowance,
     }
     return {
         "backend": agent.backend,
-        "context_limit": receiver.context_limit,
+        "context_limit": context_limit,
         "max_new_tokens": allowance,
-        "placement": receiver.placement,
+        "placement": agent.placement,
         "queued": len(deliveries),
-        "payload_bytes": sum(d["payload_bytes"] for d in deliveries),
+        "tensor_bytes": sum(d["tensor_bytes"] for d in deliveries),
         "deliveries": deliveries,
         "pending": pending_report,
         "sender": sender,
