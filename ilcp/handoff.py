@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from .checks import positive_int
-from .compressor import latent_payload_bytes
 from .decoding import assemble_prefix, greedy_decode
 from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
@@ -56,7 +55,8 @@ class ILCPHandoff:
         encoder: the trained `ILCPEncoder` (pooler, beta-VAE, projector) of the export.
         config: the export's config.json as a dict (pooling settings, sizes, LM fingerprint).
         device: where the encoder runs; default the LM's device.
-        payload_dtype: dtype of z on the wire: "float32", "float16" or "bfloat16".
+        payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
+            absmax with a float32 scale; see `ilcp.transport`).
 
     Raises:
         ExportError: the config was made for another LM, or the encoder does not fit it.
@@ -193,14 +193,14 @@ class ILCPHandoff:
 
     @property
     def tensor_bytes(self) -> int:
-        """Tensor bytes of one latent: latent_dim x element size (128 for 32 x float32)."""
-        return latent_payload_bytes(self.latent_dim, self.payload_dtype)
+        """Tensor bytes of one context's payload: latent_dim x element size (128 for 32 x float32),
+        plus the float32 scale for int8."""
+        return self._pack(torch.zeros(self.latent_dim)).byte_length()
 
     @property
     def wire_bytes(self) -> int:
         """Bytes on the wire of one single-context payload (header, fingerprint, latent, CRC)."""
-        z = torch.zeros(self.latent_dim)
-        return len(pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype).to_bytes())
+        return len(self._pack(torch.zeros(self.latent_dim)).to_bytes())
 
     # ----------------------------------------------------------------------------------- sender
 

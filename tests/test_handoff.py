@@ -180,9 +180,9 @@ def test_bad_inputs_are_value_errors(handoff):
         handoff.send([])
     with pytest.raises(ValueError, match="list of strings"):
         handoff.send(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="payload dtype"):
+    with pytest.raises(ValueError, match="dtype"):
         ILCPHandoff(handoff.lm, handoff.encoder, handoff.config,
-                    payload_dtype="int8")
+                    payload_dtype="int4")
     with pytest.raises(ValueError, match="question"):
         handoff.receive(handoff.send(CONTEXTS[0]), [])
 
@@ -194,6 +194,20 @@ def test_half_precision_payload_is_smaller(handoff):
     assert payload.dtype == "float16" and half.tensor_bytes == 2 * half.latent_dim
     assert len(payload.to_bytes()) == half.wire_bytes == handoff.wire_bytes - 2 * half.latent_dim
     assert isinstance(half.receive(payload.to_bytes(), QUESTIONS[0], max_new_tokens=2), str)
+
+
+def test_int8_payload_carries_a_scale_and_answers_like_float32(handoff):
+    small = ILCPHandoff(handoff.lm, handoff.encoder, handoff.config, payload_dtype="int8")
+    payload = small.send(CONTEXTS)
+    assert payload.dtype == "int8" and small.tensor_bytes == handoff.latent_dim + 4
+    assert payload.byte_length() == 2 * small.tensor_bytes and small.wire_bytes < handoff.wire_bytes
+    exact = handoff.send(CONTEXTS).latent
+    received = small.parse(payload.to_bytes())
+    from ilcp.transport import unpack
+
+    step = exact.abs().amax(-1, keepdim=True) / 127
+    assert bool(((unpack(received, "cpu") - exact).abs() <= step / 2 + 1e-6).all())
+    assert len(small.receive(payload.to_bytes(), QUESTIONS, max_new_tokens=2)) == 2
 
 
 def test_load_lm_spec_matches_the_fixture(tiny_lm):
