@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from ilcp.evaluation.methods import EvalContext, make_method
+from ilcp.evaluation import EvalContext, make_method
 from ilcp.evaluation.run import time_request
 from ilcp.export import read_config, read_export
 from ilcp.handoff import ILCPHandoff
@@ -79,7 +79,7 @@ def payload_path(handoff: ILCPHandoff, iterations: int) -> None:
             t3 = time.perf_counter()
             latent = unpack(received, device, dtype=torch.float32)
             t4 = time.perf_counter()
-            memory = handoff.projector(latent.unsqueeze(0), dtype=dtype)
+            memory = handoff.encoder.memory(latent.unsqueeze(0), dtype=dtype)
             if memory.device.type == "cuda":
                 torch.cuda.synchronize(memory.device)
             t5 = time.perf_counter()

@@ -10,7 +10,6 @@ naming the field before any model loads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +17,10 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from .encoder import POOLING_KINDS as POOLINGS
 from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")
-POOLINGS = ("mean", "attention")
 
 
 def _f(default, help: str, **kw):
@@ -80,15 +79,15 @@ class CompressorConfig:
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
     pooling: str = _f("attention", "sender summary: 'attention' (learned queries) or 'mean' (masked mean, the spec)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
-    probe_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
+    answer_head_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
                                   "[z ; question]: answers shape the latent without the LM (0 = the spec)")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
-        if self.probe_weight < 0:
-            raise ValueError(f"compressor.probe_weight must be >= 0, got {self.probe_weight}")
+        if self.answer_head_weight < 0:
+            raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"compressor.pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
@@ -125,6 +124,27 @@ class HandoffConfig:
 
 
 @dataclass
+class ReconstructConfig:
+    steps: int = _f(0, "reconstruction-stage steps between stage 1 and the answer stage: the frozen LM regenerates "
+                       "each training context from the K memory vectors alone (0 = no such stage)")
+    batch_size: int = _f(8, "reconstruction-stage batch size (distinct training contexts)")
+    lr: float = _f(1e-3, "reconstruction-stage learning rate of the projector")
+    encoder_lr: float = _f(1e-3, "reconstruction-stage learning rate of the pooler and VAE")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end")
+    max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)")
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"reconstruct.steps must be >= 0, got {self.steps}")
+        for name in ("batch_size", "val_every_steps", "max_target_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.encoder_lr <= 0 or self.warmup_steps < 0:
+            raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
+
+
+@dataclass
 class TrainerConfig:
     accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu")
     devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto')")
@@ -146,6 +166,7 @@ class TrainConfig:
     lm: LMConfig = field(default_factory=LMConfig)
     data: DataConfig = field(default_factory=DataConfig)
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    reconstruct: ReconstructConfig = field(default_factory=ReconstructConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -163,9 +184,11 @@ class TrainConfig:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
         c = self.compressor
         if (c.pooling == "attention" and "ilcp" in self.handoff.variants
-                and not (self.handoff.finetune_encoder or c.probe_weight > 0)):
+                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0)):
             raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true or "
-                             "compressor.probe_weight > 0 (the pooler's queries learn from answers only)")
+                             "compressor.answer_head_weight > 0 (the pooler's queries learn from answers only)")
+        if self.reconstruct.steps > 0 and "ilcp" not in self.handoff.variants:
+            raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
             raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
 
@@ -268,6 +291,3 @@ def save_config(cfg: TrainConfig, path: Path) -> None:
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=True))
 
-
-def config_json(cfg: TrainConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)

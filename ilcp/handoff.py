@@ -12,10 +12,10 @@
     receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=lm)
     receiver.receive(wire, "Where is John?")                        # the answer, e.g. "garden"
 
-`send` pools the context with the frozen LM exactly as training did (masked mean, or the run's
-trained attention pooler, over the configured layers of the context's last ``max_length``
-tokens), encodes z = mu with the
-beta-VAE and packs z with the LM fingerprint into a `TransportPayload`. A sender that already
+`send` runs the sender forward training ran (`ilcp.pooling.sender_token_states`, over the
+context's last ``max_length`` tokens, right padded), then the run's `ILCPEncoder` pools the
+states (mean, or the trained attention pooler) and encodes z = mu, which is packed with the LM
+fingerprint into a `TransportPayload`. A sender that already
 ran the LM over the context hands its outputs to `send_from_hidden_states` instead: no second
 forward. `receive` verifies the payload (bytes or object) against its own LM fingerprint,
 projects z to K memory vectors and greedy-decodes ``[memory ; question prompt]``.
@@ -35,21 +35,16 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import __version__
-from .compressor import BetaVAE, latent_payload_bytes
+from .checks import positive_int
 from .decoding import assemble_prefix, greedy_decode
-from .export import ExportError, check_fingerprint, read_export
-from .io import atomic_save_safetensors, atomic_write_json
+from .encoder import ILCPEncoder
+from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
-from .pooling import AttentionPooler, layer_states, pool_from_outputs, tokenize_contexts
-from .projector import GatedLatentToMemoryProjector
+from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
 from .prompts import question_prompt
 from .transport import PayloadError, TransportPayload, pack, unpack
 
 __all__ = ["ILCPHandoff"]
-
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 
 
 class ILCPHandoff:
@@ -57,16 +52,14 @@ class ILCPHandoff:
 
     Args:
         lm: the frozen LM bundle (model, tokenizer, spec) both agents run.
-        compressor: the trained beta-VAE (input width D = hidden x number of pooled layers).
-        projector: the trained gated projector z (B, Z) -> memory (B, K, H).
+        encoder: the trained `ILCPEncoder` (pooler, beta-VAE, projector) of the export.
         config: the export's config.json as a dict (pooling settings, sizes, LM fingerprint).
-        pooler: the trained attention pooler when ``config["pooling"]["kind"]`` is "attention";
-            None for the masked mean.
-        device: where the compressor and projector run; default the LM's device.
-        payload_dtype: dtype of z on the wire: "float32", "float16" or "bfloat16".
+        device: where the encoder runs; default the LM's device.
+        payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
+            absmax with a float32 scale; see `ilcp.transport`).
 
     Raises:
-        ExportError: the config was made for another LM, or the modules do not fit it.
+        ExportError: the config was made for another LM, or the encoder does not fit it.
         ValueError: an unknown payload dtype.
 
     Prefer `from_pretrained`; the constructor is for modules already in memory.
@@ -75,16 +68,16 @@ class ILCPHandoff:
     def __init__(
         self,
         lm: LM,
-        compressor: BetaVAE,
-        projector: GatedLatentToMemoryProjector,
+        encoder: ILCPEncoder,
         config: dict,
         *,
-        pooler: AttentionPooler | None = None,
         device: str | torch.device | None = None,
         payload_dtype: str | torch.dtype = "float32",
     ):
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
+        if not isinstance(encoder, ILCPEncoder) or encoder.projector is None:
+            raise ValueError("encoder must be a trained ilcp.encoder.ILCPEncoder with its projector")
         # Computed once: the LM bundle hashes its vocabulary again on every access.
         fingerprint = lm.fingerprint
         check_fingerprint(config, fingerprint)
@@ -92,31 +85,25 @@ class ILCPHandoff:
         pooling = config.get("pooling", {})
         self.layers = tuple(int(i) for i in pooling.get("layers", [-1]))
         self.max_length = int(pooling.get("max_length", 512))
-        kind = pooling.get("kind", "masked_mean")
-        if kind not in ("masked_mean", "attention"):
-            raise ExportError(f"unknown pooling kind {kind!r} in the config (this package reads masked_mean, attention)")
-        if (kind == "attention") != (pooler is not None):
-            raise ExportError(f"config.json names pooling {kind!r}, but "
-                              f"{'no' if pooler is None else 'an attention'} pooler was given")
-        expected_dim = lm.hidden_size * len(self.layers) * (pooler.num_queries if pooler is not None else 1)
-        if compressor.input_dim != expected_dim or (pooler is not None and pooler.dim != lm.hidden_size * len(self.layers)):
+        kind = pooling_kind(config)
+        if kind != encoder.pooling:
+            raise ExportError(f"config.json names pooling {kind!r}, but the encoder pools with {encoder.pooling!r}")
+        state_dim = lm.hidden_size * len(self.layers)
+        if encoder.state_dim != state_dim:
             raise ExportError(
-                f"the compressor reads pooled states of width {compressor.input_dim}, but {kind} pooling of "
-                f"{len(self.layers)} layer(s) of this LM (hidden {lm.hidden_size}) gives {expected_dim}"
+                f"the encoder reads token states of width {encoder.state_dim}, but {len(self.layers)} layer(s) of "
+                f"this LM (hidden {lm.hidden_size}) give {state_dim}"
             )
-        if projector.model_hidden != lm.hidden_size or projector.latent_dim != compressor.latent_dim:
+        if encoder.projector.model_hidden != lm.hidden_size:
             raise ExportError(
-                f"the projector maps {projector.latent_dim} -> (K, {projector.model_hidden}); the compressor "
-                f"gives {compressor.latent_dim} floats and the LM's hidden size is {lm.hidden_size}"
+                f"the projector maps to (K, {encoder.projector.model_hidden}); the LM's hidden size is {lm.hidden_size}"
             )
         # Fails early with a ValueError for an unknown payload dtype.
         self.payload_dtype = pack(torch.zeros(1), lm_fingerprint=fingerprint, dtype=payload_dtype).dtype
         self.lm = lm
         self.config = copy.deepcopy(config)
         self.device = torch.device(device) if device is not None else lm.device
-        self.compressor = compressor.to(self.device).float().eval()
-        self.projector = projector.to(self.device).float().eval()
-        self.pooler = pooler.to(self.device).float().eval() if pooler is not None else None
+        self.encoder = encoder.to(self.device).float().eval()
         self.source: Path | None = None
 
     # ---------------------------------------------------------------------------------- loading
@@ -148,7 +135,7 @@ class ILCPHandoff:
             ValueError: a bare model without a tokenizer, or a tokenizer beside an LM bundle.
         """
         run = read_export(path)
-        if run.compressor is None or run.projector is None:
+        if run.encoder is None:
             raise ExportError(
                 f"{str(path)!r} holds no ILCP weights (files: {sorted(run.config.get('files', {}))}); "
                 "train with 'ilcp' among handoff.variants"
@@ -167,31 +154,26 @@ class ILCPHandoff:
             lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
-        handoff = cls(lm, run.compressor, run.projector, run.config, pooler=run.pooler, device=device,
-                      payload_dtype=payload_dtype)
-        handoff.source = Path(path)
+        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype)
+
+    @classmethod
+    def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,
+                    payload_dtype: str | torch.dtype = "float32") -> ILCPHandoff:
+        """The handoff of an export already read (`ilcp.export.read_export`) for an LM bundle."""
+        if run.encoder is None:
+            raise ExportError(f"{str(run.path)!r} holds no ILCP weights; train with 'ilcp' among handoff.variants")
+        handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype)
+        handoff.source = run.path
         return handoff
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
-        """Write config.json and model.safetensors (compressor.* and projector.* only) into ``path``.
+        """Write config.json and model.safetensors (the encoder only) into ``path``.
 
         Each file is written atomically and config.json last, so a directory with a config.json
         holds a complete export; the written config lists model.safetensors as its only weights.
         Returns the directory.
         """
-        path = Path(path)
-        state = {f"compressor.{k}": v.detach().cpu() for k, v in self.compressor.state_dict().items()}
-        state.update({f"projector.{k}": v.detach().cpu() for k, v in self.projector.state_dict().items()})
-        if self.pooler is not None:
-            state.update({f"pooler.{k}": v.detach().cpu() for k, v in self.pooler.state_dict().items()})
-        atomic_save_safetensors(state, path / MODEL_FILE, {"format": "pt"})
-        config = copy.deepcopy(self.config)
-        config["files"] = {"ilcp": MODEL_FILE}
-        config["package_version"] = __version__
-        for key in ("train_config", "metrics"):  # files of a training run, not written here
-            config.pop(key, None)
-        atomic_write_json(path / CONFIG_FILE, config)
-        return path
+        return save_encoder(self.encoder, self.config, path)
 
     # ------------------------------------------------------------------------------- properties
 
@@ -202,23 +184,23 @@ class ILCPHandoff:
 
     @property
     def latent_dim(self) -> int:
-        return self.compressor.latent_dim
+        return self.encoder.latent_dim
 
     @property
     def num_memory_tokens(self) -> int:
         """K, the memory vectors the receiver prepends to its question prompt."""
-        return self.projector.num_memory_tokens
+        return self.encoder.num_memory_tokens
 
     @property
     def tensor_bytes(self) -> int:
-        """Tensor bytes of one latent: latent_dim x element size (128 for 32 x float32)."""
-        return latent_payload_bytes(self.latent_dim, self.payload_dtype)
+        """Tensor bytes of one context's payload: latent_dim x element size (128 for 32 x float32),
+        plus the float32 scale for int8."""
+        return self._pack(torch.zeros(self.latent_dim)).byte_length()
 
     @property
     def wire_bytes(self) -> int:
         """Bytes on the wire of one single-context payload (header, fingerprint, latent, CRC)."""
-        z = torch.zeros(self.latent_dim)
-        return len(pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype).to_bytes())
+        return len(self._pack(torch.zeros(self.latent_dim)).to_bytes())
 
     # ----------------------------------------------------------------------------------- sender
 
@@ -239,63 +221,48 @@ class ILCPHandoff:
         ids = tokenize_contexts(self.lm.tokenizer, contexts, self.max_length)
         if any(len(seq) == 0 for seq in ids):
             raise ValueError("cannot send an empty context (it has no tokens)")
-        width = max(len(seq) for seq in ids)
-        pad = self.lm.tokenizer.pad_token_id
-        input_ids = torch.full((len(ids), width), pad if pad is not None else 0, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for row, seq in enumerate(ids):
-            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, : len(seq)] = 1
+        input_ids, mask = pad_right(ids, pad_id_of(self.lm.tokenizer))
         return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
 
-    def pool(self, contexts: Sequence[str], *, batch_size: int = 16) -> Tensor:
-        """Pooled sender states of ``contexts``: one forward per batch of similar lengths.
+    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> Tensor:
+        """z = mu of each context: the sender forward training ran, one per batch of similar
+        lengths, then the encoder.
 
         Returns:
-            (B, D) float32 on the modules' device, in the order given.
+            (B, Z) float32 on the encoder's device, in the order given.
         """
+        batch_size = positive_int("batch_size", batch_size)
         inputs = self.sender_inputs(contexts)  # validates and truncates
         lengths = inputs["attention_mask"].sum(-1).tolist()
         order = sorted(range(len(contexts)), key=lambda i: lengths[i])
-        pooled = torch.empty((len(contexts), self.compressor.input_dim), dtype=torch.float32, device=self.device)
+        z = torch.zeros((len(contexts), self.latent_dim), dtype=torch.float32, device=self.device)
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             width = max(lengths[i] for i in chunk)
-            ids = inputs["input_ids"][chunk, :width]
             mask = inputs["attention_mask"][chunk, :width]
             with torch.no_grad():
-                out = self.lm.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-                pooled[chunk] = self._pool(out, mask)
-        return pooled
+                states = sender_token_states(self.lm.model, inputs["input_ids"][chunk, :width], mask, self.layers)
+                z[chunk] = self.encoder.latent(states.to(self.device), mask.to(self.device))
+        return z
 
-    def latent(self, pooled: Tensor) -> Tensor:
-        """z = mu of the encoder: (B, D) pooled states -> (B, Z) float32."""
-        if not isinstance(pooled, Tensor) or pooled.dim() != 2 or pooled.shape[1] != self.compressor.input_dim:
-            raise ValueError(
-                f"pooled states must be a (batch, {self.compressor.input_dim}) tensor, got "
-                f"{tuple(pooled.shape) if isinstance(pooled, Tensor) else type(pooled).__name__}"
-            )
-        with torch.no_grad():
-            return self.compressor.latent(pooled.to(self.device).float())
-
-    def send(self, context: str | Sequence[str] | Tensor, *, batch_size: int = 16) -> TransportPayload:
-        """Pool, encode and pack a context.
+    def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
+        """Encode and pack a context.
 
         Args:
-            context: one context string (payload latent (Z,)), a list of them (payload latent
-                (B, Z)), or pooled states already computed, (B, D) or (D,).
-            batch_size: contexts per pooling forward.
+            context: one context string (payload latent (Z,)) or a list of them (payload latent
+                (B, Z)).
+            batch_size: contexts per sender forward.
 
         Returns:
             the payload, on the CPU, carrying this LM's fingerprint.
+
+        Raises:
+            ValueError: not a string or a non-empty list of strings; an empty context; a
+                batch_size that is not a positive int.
         """
-        single = isinstance(context, str) or (isinstance(context, Tensor) and context.dim() == 1)
-        if isinstance(context, Tensor):
-            pooled = context.unsqueeze(0) if context.dim() == 1 else context
-        else:
-            pooled = self.pool([context] if isinstance(context, str) else list(context), batch_size=batch_size)
-        z = self.latent(pooled)
-        return pack(z[0] if single else z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype)
+        single = isinstance(context, str)
+        z = self.latents([context] if single else context, batch_size=batch_size)
+        return self._pack(z[0] if single else z)
 
     def send_from_hidden_states(self, outputs, attention_mask: Tensor) -> TransportPayload:
         """Pack the contexts a sender's own forward already encoded; runs no forward.
@@ -309,15 +276,11 @@ class ILCPHandoff:
             a payload with latent (B, Z).
         """
         with torch.no_grad():
-            pooled = self._pool(outputs, attention_mask)
-        return self.send(pooled)
+            states = layer_states(outputs, self.layers).to(self.device)
+            return self._pack(self.encoder.latent(states, attention_mask.to(self.device)))
 
-    def _pool(self, outputs, attention_mask: Tensor) -> Tensor:
-        """The run's pooling of a forward's hidden states: (B, D) float32 on the modules' device."""
-        if self.pooler is None:
-            return pool_from_outputs(outputs, attention_mask, self.layers).float().to(self.device)
-        states = layer_states(outputs, self.layers).to(self.device)
-        return self.pooler(states, attention_mask.to(self.device))
+    def _pack(self, z: Tensor) -> TransportPayload:
+        return pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype)
 
     # --------------------------------------------------------------------------------- receiver
 
@@ -346,7 +309,7 @@ class ILCPHandoff:
         if z.shape[1] != self.latent_dim:
             raise PayloadError(f"payload latent has width {z.shape[1]}; this receiver expects {self.latent_dim}")
         with torch.no_grad():
-            memory = self.projector(z, dtype=self.lm.dtype)
+            memory = self.encoder.memory(z, dtype=self.lm.dtype)
         return memory.to(self.lm.device)
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:

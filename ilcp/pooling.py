@@ -199,15 +199,37 @@ class _Texts(Dataset):
         return i, self.ids[i]
 
 
+def pad_right(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad token id lists: ((B, S) input ids, (B, S) long attention mask)."""
+    width = max(len(seq) for seq in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, seq in enumerate(ids):
+        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return input_ids, mask
+
+
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def sender_token_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                        layers: Sequence[int] = (-1,)) -> Tensor:
+    """The sender's forward over right-padded contexts: the chosen layers' token states,
+    concatenated, (B, S, H * len(layers)) in the model's dtype.
+
+    The one forward both training extraction and `ILCPHandoff` run; it asks for the logits of
+    one position only, since only hidden states are used."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                **logits_to_keep_kwargs(model, 1))
+    return layer_states(out, layers)
+
+
 def _collate(pad_id: int):
     def collate(items):
         index = torch.tensor([i for i, _ in items], dtype=torch.long)
-        width = max(len(ids) for _, ids in items)
-        input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(items), width), dtype=torch.long)
-        for row, (_, ids) in enumerate(items):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[row, : len(ids)] = 1
+        input_ids, mask = pad_right([ids for _, ids in items], pad_id)
         return {"index": index, "input_ids": input_ids, "attention_mask": mask}
 
     return collate
@@ -224,19 +246,12 @@ class PoolingModule(L.LightningModule):
         self.tokens = tokens
 
     def predict_step(self, batch, batch_idx):
-        out = self.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            output_hidden_states=True,
-            use_cache=False,
-            **logits_to_keep_kwargs(self.model, 1),  # the LM head's logits are not needed
-        )
         mask = batch["attention_mask"]
+        states = sender_token_states(self.model, batch["input_ids"], mask, self.layers)
         if self.tokens:  # right padding: the real tokens of each row come first, rows in order
-            states = layer_states(out, self.layers)[mask.bool()]
-            return {"index": batch["index"].cpu(), "states": states.float().cpu(), "lengths": mask.sum(-1).cpu()}
-        pooled = pool_from_outputs(out, mask, self.layers)
-        return {"index": batch["index"].cpu(), "pooled": pooled.float().cpu()}
+            return {"index": batch["index"].cpu(), "states": states[mask.bool()].float().cpu(),
+                    "lengths": mask.sum(-1).cpu()}
+        return {"index": batch["index"].cpu(), "pooled": masked_mean_pool(states, mask).float().cpu()}
 
 
 class _ShardWriter(BasePredictionWriter):
@@ -296,7 +311,7 @@ def _extract(lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     sorted_ids = [ids[i] for i in order]
     loader = DataLoader(_Texts(sorted_ids), batch_size=batch_size, shuffle=False,
-                        collate_fn=_collate(lm.tokenizer.pad_token_id or 0))
+                        collate_fn=_collate(pad_id_of(lm.tokenizer)))
     kwargs = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
               "enable_progress_bar": progress, "enable_model_summary": False}
     kwargs.update(trainer_kwargs or {})
@@ -365,7 +380,7 @@ def token_states(
 
 
 def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int],
-                     kind: str = "masked_mean") -> dict:
+                     kind: str = "mean") -> dict:
     """Everything that decides the cached states, as a JSON-serialisable dict."""
     return {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
             "layers": [int(i) for i in layers], "pool": kind, "format": 1}

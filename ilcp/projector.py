@@ -38,6 +38,7 @@ class GatedLatentToMemoryProjector(nn.Module):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.latent_dim, self.num_memory_tokens, self.model_hidden = int(latent_dim), int(num_memory_tokens), int(model_hidden)
+        self.hidden = int(hidden)
         out = self.num_memory_tokens * self.model_hidden
         self.trunk = nn.Sequential(nn.Linear(latent_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU())
         self.gate_head = nn.Linear(hidden, out)

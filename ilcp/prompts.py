@@ -6,6 +6,8 @@ receiver was handed, not from prompt drift:
 - `question_prompt`: the question alone (no_context, prompt_tuned, ilcp: the soft prompt or
   nothing sits before it).
 - `cold_read_prompt`: the context text, then the question (cold_read, cold_read_tuned).
+- `reconstruction_prompt`: the fixed instruction after which the receiver regenerates the context
+  from memory vectors alone (the ILCP reconstruction stage).
 - `context_slot_prompt`: the cold-read prompt split at the spot where the context text would sit,
   so received embedding rows can be placed there (RCLC's in-prompt placement).
 
@@ -16,6 +18,7 @@ has one, and as plain text otherwise.
 from __future__ import annotations
 
 INSTRUCTION = "Answer the question with one word."
+RECONSTRUCTION_INSTRUCTION = "Repeat the context you were handed, word for word."
 COLD_READ_INSTRUCTION = "Read the context carefully, then answer the question with one word."
 # A fixed, short system message: templates that inject a default system prompt (SmolLM2 does)
 # would otherwise add it, and it is the same for every method either way.
@@ -53,6 +56,11 @@ def question_prompt(tokenizer, question: str) -> str:
 def cold_read_prompt(tokenizer, context: str, question: str) -> str:
     """The receiver's prompt with the whole context text before the question."""
     return render(tokenizer, cold_read_user_text(context, question))
+
+
+def reconstruction_prompt(tokenizer) -> str:
+    """The receiver's prompt when it must say back the context its memory vectors carry."""
+    return render(tokenizer, RECONSTRUCTION_INSTRUCTION)
 
 
 def context_slot_prompt(tokenizer, question: str) -> tuple[str, str]:

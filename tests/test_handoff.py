@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from ilcp.config import load_config
 from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
+from ilcp.encoder import ILCPEncoder
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
@@ -41,16 +42,16 @@ def modules_directly(run_dir: Path, lm: LM, context: str, question: str):
     token states) -> encoder -> projector."""
     run = read_export(run_dir)
     pooling = run.config["pooling"]
-    if run.pooler is None:
-        pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
-                               progress=False)
-    else:
-        rows = token_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"], progress=False)
-        with torch.no_grad():
-            pooled = run.pooler(rows[0].unsqueeze(0), torch.ones(1, rows[0].shape[0], dtype=torch.long))
     with torch.no_grad():
-        z = run.compressor.latent(pooled)
-        memory = run.projector(z, dtype=lm.dtype)
+        if run.encoder.pooler is None:
+            pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
+                                   progress=False)
+            z = run.encoder.latent(pooled)
+        else:
+            rows = token_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
+                                progress=False)
+            z = run.encoder.latent(rows[0].unsqueeze(0), torch.ones(1, rows[0].shape[0], dtype=torch.long))
+        memory = run.encoder.memory(z, dtype=lm.dtype)
     prefix = assemble_prefix(lm.model, lm.tokenizer, [memory[0], question_prompt(lm.tokenizer, question)])
     return z, prefix
 
@@ -177,22 +178,36 @@ def test_bad_inputs_are_value_errors(handoff):
         handoff.send("")
     with pytest.raises(ValueError, match="non-empty list"):
         handoff.send([])
-    with pytest.raises(ValueError, match="pooled states"):
+    with pytest.raises(ValueError, match="list of strings"):
         handoff.send(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="payload dtype"):
-        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, pooler=handoff.pooler,
-                    payload_dtype="int8")
+    with pytest.raises(ValueError, match="dtype"):
+        ILCPHandoff(handoff.lm, handoff.encoder, handoff.config,
+                    payload_dtype="int4")
     with pytest.raises(ValueError, match="question"):
         handoff.receive(handoff.send(CONTEXTS[0]), [])
 
 
 def test_half_precision_payload_is_smaller(handoff):
-    half = ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, handoff.config, pooler=handoff.pooler,
+    half = ILCPHandoff(handoff.lm, handoff.encoder, handoff.config,
                        payload_dtype="float16")
     payload = half.send(CONTEXTS[0])
     assert payload.dtype == "float16" and half.tensor_bytes == 2 * half.latent_dim
     assert len(payload.to_bytes()) == half.wire_bytes == handoff.wire_bytes - 2 * half.latent_dim
     assert isinstance(half.receive(payload.to_bytes(), QUESTIONS[0], max_new_tokens=2), str)
+
+
+def test_int8_payload_carries_a_scale_and_answers_like_float32(handoff):
+    small = ILCPHandoff(handoff.lm, handoff.encoder, handoff.config, payload_dtype="int8")
+    payload = small.send(CONTEXTS)
+    assert payload.dtype == "int8" and small.tensor_bytes == handoff.latent_dim + 4
+    assert payload.byte_length() == 2 * small.tensor_bytes and small.wire_bytes < handoff.wire_bytes
+    exact = handoff.send(CONTEXTS).latent
+    received = small.parse(payload.to_bytes())
+    from ilcp.transport import unpack
+
+    step = exact.abs().amax(-1, keepdim=True) / 127
+    assert bool(((unpack(received, "cpu") - exact).abs() <= step / 2 + 1e-6).all())
+    assert len(small.receive(payload.to_bytes(), QUESTIONS, max_new_tokens=2)) == 2
 
 
 def test_load_lm_spec_matches_the_fixture(tiny_lm):
@@ -204,16 +219,16 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     from ilcp.pooling import pad_token_states, token_states
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "compressor.pooling=attention", "compressor.probe_weight=0", "handoff.variants=[ilcp]",
+                             "compressor.pooling=attention", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
                              "handoff.encoder_lr=0.01"])
     result = train(cfg, lm=tiny_lm)
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
-    assert handoff.pooler is not None
-    module = result.modules["ilcp"].eval()
+    assert handoff.encoder.pooler is not None
+    encoder = result.sources["ilcp"].eval()
     rows = token_states(tiny_lm, CONTEXTS, max_length=cfg.data.max_length, progress=False)
     states, mask = pad_token_states([rows[i] for i in range(len(CONTEXTS))])
     with torch.no_grad():
-        expected = module.vae.latent(module.pooler(states, mask))
+        expected = encoder.latent(states, mask)
     torch.testing.assert_close(handoff.send(CONTEXTS).latent, expected, rtol=1e-5, atol=1e-5)
     # a sender that already ran its forward gets the same payload
     inputs = handoff.sender_inputs(CONTEXTS)
@@ -225,16 +240,16 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     again = ILCPHandoff.from_pretrained(handoff.save_pretrained(tmp_path / "saved"), lm=tiny_lm)
     torch.testing.assert_close(again.send(CONTEXTS).latent, expected, rtol=1e-5, atol=1e-5)
     # the modules without their pooler do not fit the config
-    with pytest.raises(ExportError, match="pooler"):
-        ILCPHandoff(tiny_lm, handoff.compressor, handoff.projector, handoff.config)
+    with pytest.raises(ExportError, match="pool"):
+        ILCPHandoff(tiny_lm, ILCPEncoder(handoff.encoder.vae, handoff.encoder.projector), handoff.config)
 
 
 def test_mean_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "compressor.pooling=mean", "compressor.probe_weight=0", "handoff.variants=[ilcp]"])
+                             "compressor.pooling=mean", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]"])
     run_dir = train(cfg, lm=tiny_lm).run_dir
     handoff = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
-    assert handoff.pooler is None and handoff.config["pooling"]["kind"] == "masked_mean"
+    assert handoff.encoder.pooler is None and handoff.config["pooling"]["kind"] == "mean"
     z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[1], QUESTIONS[1])
     payload = handoff.send(CONTEXTS[1])
     torch.testing.assert_close(payload.latent, z[0], rtol=1e-5, atol=1e-5)
@@ -247,4 +262,4 @@ def test_unknown_pooling_kind_is_refused(handoff):
     config = copy.deepcopy(handoff.config)
     config["pooling"]["kind"] = "max"
     with pytest.raises(ExportError, match="pooling kind"):
-        ILCPHandoff(handoff.lm, handoff.compressor, handoff.projector, config)
+        ILCPHandoff(handoff.lm, handoff.encoder, config)

@@ -9,7 +9,8 @@ import yaml
 from ilcp import training
 from ilcp.config import TrainConfig, load_config
 from ilcp.export import ExportError, check_fingerprint, read_export
-from ilcp.training import HandoffModule, train
+from ilcp.encoder import ILCPEncoder
+from ilcp.training import HandoffModule, make_memory_source, train
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -66,16 +67,15 @@ def test_reloaded_export_gives_the_same_memory_vectors(tiny_run, tiny_lm):
     _, result, _, _ = tiny_run
     run = read_export(result.run_dir)
     check_fingerprint(run.config, tiny_lm.fingerprint)
-    module = result.modules["ilcp"].eval()
-    pooled = torch.randn(3, run.compressor.input_dim)
+    trained = result.sources["ilcp"].eval()
+    states, mask = torch.randn(3, 5, run.encoder.state_dim), torch.ones(3, 5, dtype=torch.long)
     with torch.no_grad():
-        expected, _ = module.memory(pooled)
-        z = run.compressor.latent(pooled)
-        got = run.projector(z, dtype=expected.dtype)
+        expected = trained.memory(trained.latent(states, mask), torch.float32)
+        got = run.encoder.memory(run.encoder.latent(states, mask), torch.float32)
     assert got.shape == (3, run.config["num_memory_tokens"], tiny_lm.hidden_size)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     for name in ("prompt_tuned", "cold_read_tuned"):
-        torch.testing.assert_close(run.soft_prompts[name], result.modules[name].soft_prompt.detach().float())
+        torch.testing.assert_close(run.soft_prompts[name], result.sources[name].soft_prompt.detach().float())
 
 
 def test_export_for_another_lm_is_refused(tiny_run):
@@ -134,8 +134,8 @@ def test_every_shipped_config_parses(path):
         ("data.val_decode_size=500", "data.val_decode_size"),
         ("compressor.pooling=max", "compressor.pooling"),
         ("compressor.pool_queries=0", "compressor.pool_queries"),
-        ("compressor.probe_weight=-1", "compressor.probe_weight"),
-        ("compressor.probe_weight=nan", "compressor.probe_weight"),
+        ("compressor.answer_head_weight=-1", "compressor.answer_head_weight"),
+        ("compressor.answer_head_weight=nan", "compressor.answer_head_weight"),
         ("handoff.lr=inf", "handoff.lr"),
     ],
 )
@@ -150,14 +150,14 @@ def test_float_fields_accept_exponents_without_a_dot():
 
 def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
     with pytest.raises(ValueError, match=r"compressor\.pooling=attention needs handoff\.finetune_encoder"):
-        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false", "compressor.probe_weight=0"])
+        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false", "compressor.answer_head_weight=0"])
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the LM must not load for an invalid config")
 
-    monkeypatch.setattr(training, "load_lm", boom)
+    monkeypatch.setattr(training.pipeline, "load_lm", boom)
     with pytest.raises(ValueError):
         load_config(None, ["handoff.batch_size=0"])
 
@@ -168,7 +168,8 @@ def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
     from ilcp.config import HandoffConfig
     from ilcp.decoding import left_pad
 
-    module = HandoffModule("cold_read_tuned", tiny_lm, HandoffConfig(num_memory_tokens=2))
+    source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
+    module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2))
     batch = {"pooled": torch.zeros(2, 4), "context": ["John went home.", "Mary is in the big kitchen now."],
              "question": ["Where is John?", "Where is Mary?"], "answer": ["home", "kitchen,garden"]}
     loss, _ = module._teacher_forced(batch)
@@ -177,7 +178,7 @@ def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
     for c, q, a in zip(batch["context"], batch["question"], batch["answer"]):
         p = tiny_lm.tokenizer(prompts.cold_read_prompt(tiny_lm.tokenizer, c, q), add_special_tokens=False).input_ids
         t = tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer), add_special_tokens=False).input_ids
-        seqs.append(torch.cat([module.soft_prompt.detach(), embed(torch.tensor(p + t))]))
+        seqs.append(torch.cat([source.soft_prompt.detach(), embed(torch.tensor(p + t))]))
         labs.append([-100] * (2 + len(p)) + t)
     x, mask, pos = left_pad(seqs)
     labels = torch.full(mask.shape, -100)
@@ -200,7 +201,7 @@ def test_default_yaml_mirrors_the_built_in_defaults():
 def attention_run(tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("attention-runs")
     cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.pooling=attention",
-                             "compressor.pool_queries=3", "compressor.probe_weight=0", "handoff.variants=[ilcp]",
+                             "compressor.pool_queries=3", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
                              "handoff.encoder_lr=0.01"])
     return cfg, train(cfg, lm=tiny_lm)
 
@@ -211,12 +212,12 @@ def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
     cfg, result = attention_run
     run = read_export(result.run_dir)
     assert run.config["pooling"]["kind"] == "attention" and run.config["pooling"]["num_queries"] == 3
-    assert run.compressor.input_dim == 3 * tiny_lm.hidden_size == run.config["compressor"]["input_dim"]
+    assert run.encoder.vae.input_dim == 3 * tiny_lm.hidden_size == run.config["compressor"]["input_dim"]
     state = load_file(str(result.run_dir / "model.safetensors"))
     assert "pooler.score.weight" in state
     # the queries start at zero (the mean pool) and the answer loss moved them
     assert state["pooler.score.weight"].abs().sum() > 0
-    torch.testing.assert_close(run.pooler.score.weight, result.modules["ilcp"].pooler.score.weight.detach())
+    torch.testing.assert_close(run.encoder.pooler.score.weight, result.sources["ilcp"].pooler.score.weight.detach())
     assert result.metrics["variants"]["ilcp"]["steps"] == cfg.handoff.max_steps
 
 
@@ -225,13 +226,13 @@ def test_attention_run_reloads_to_the_same_memory_vectors(attention_run, tiny_lm
 
     _, result = attention_run
     run = read_export(result.run_dir)
-    module = result.modules["ilcp"].eval()
+    trained = result.sources["ilcp"].eval()
     rows = token_states(tiny_lm, ["John went home. Mary is in the kitchen.", "Sandra moved to the garden."],
                         progress=False)
     states, mask = pad_token_states([rows[0], rows[1]])
     with torch.no_grad():
-        expected, _ = module.memory(module.pooled({"tokens": states, "token_mask": mask}))
-        got = run.projector(run.compressor.latent(run.pooler(states, mask)), dtype=expected.dtype)
+        expected, _ = trained.memory_for_batch({"tokens": states, "token_mask": mask}, torch.float32)
+        got = run.encoder.memory(run.encoder.latent(states, mask), torch.float32)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -241,16 +242,16 @@ def test_stage_one_without_the_answer_head_leaves_the_pooler_at_the_mean(attenti
     _, result = attention_run
     stage_one = load_file(str(result.run_dir / "stages" / "compressor" / "compressor.safetensors"))
     assert torch.equal(stage_one["pooler.score.weight"], torch.zeros_like(stage_one["pooler.score.weight"]))
-    assert "val/probe_accuracy" not in result.metrics["compressor"]
+    assert "val/answer_accuracy" not in result.metrics["compressor"]
 
 
 def test_answer_head_trains_the_pooler_in_stage_one_and_is_not_exported(tmp_path, tiny_lm):
     from safetensors.torch import load_file
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "compressor.pooling=attention",
-                             "compressor.probe_weight=1.0", "handoff.finetune_encoder=false", "handoff.variants=[ilcp]"])
+                             "compressor.answer_head_weight=1.0", "handoff.finetune_encoder=false", "handoff.variants=[ilcp]"])
     result = train(cfg, lm=tiny_lm)
-    assert 0.0 <= result.metrics["compressor"]["val/probe_accuracy"] <= 1.0
+    assert 0.0 <= result.metrics["compressor"]["val/answer_accuracy"] <= 1.0
     stage_one = load_file(str(result.run_dir / "stages" / "compressor" / "compressor.safetensors"))
     assert stage_one["pooler.score.weight"].abs().sum() > 0, "the answer head's loss reached the pooler"
     exported = load_file(str(result.run_dir / "model.safetensors"))
@@ -274,7 +275,7 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
     from safetensors.torch import load_file
 
     base = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp]",
-            "compressor.pooling=attention", "compressor.probe_weight=1.0"]
+            "compressor.pooling=attention", "compressor.answer_head_weight=1.0"]
     first = train(load_config(TINY, base), lm=tiny_lm)
     stage_one = load_file(str(first.run_dir / "stages" / "compressor" / "compressor.safetensors"))
     assert stage_one["pooler.score.weight"].abs().sum() > 0
@@ -282,14 +283,14 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
     shutil.rmtree(first.run_dir / "stages" / "ilcp")
 
     seen = {}
-    original = training.train_variant
+    original = training.pipeline.train_variant
 
-    def recording(cfg, variant, lm, data, vae, resume, pooler=None):
-        seen["pooler"] = pooler.score.weight.detach().clone()
-        seen["mu_head"] = vae.mu_head.weight.detach().clone()
-        return original(cfg, variant, lm, data, vae, resume, pooler)
+    def recording(cfg, variant, lm, data, encoder, resume):
+        seen["pooler"] = encoder.pooler.score.weight.detach().clone()
+        seen["mu_head"] = encoder.vae.mu_head.weight.detach().clone()
+        return original(cfg, variant, lm, data, encoder, resume)
 
-    monkeypatch.setattr(training, "train_variant", recording)
+    monkeypatch.setattr(training.pipeline, "train_variant", recording)
     resumed = train(load_config(TINY, base), lm=tiny_lm, resume=True)
     assert torch.equal(seen["pooler"], stage_one["pooler.score.weight"])
     assert torch.equal(seen["mu_head"], stage_one["compressor.mu_head.weight"])
@@ -301,25 +302,26 @@ def test_stage_one_scores_nothing_rather_than_nan_when_no_answer_is_known(tiny_l
     from ilcp.compressor import BetaVAE
     from ilcp.config import CompressorConfig
 
-    module = training.CompressorModule(BetaVAE(8, 4, 16), CompressorConfig(hidden_dim=16, probe_weight=1.0),
+    module = training.CompressorModule(ILCPEncoder(BetaVAE(8, 4, 16)),
+                                       CompressorConfig(hidden_dim=16, answer_head_weight=1.0),
                                        question_dim=3, num_answers=5)
     batch = {"pooled": torch.randn(2, 8), "features": torch.randn(2, 3), "label": torch.tensor([-100, -100])}
     out = module._losses(batch)
-    assert torch.isfinite(out["probe_ce"]) and float(out["probe_ce"]) == 0.0
+    assert torch.isfinite(out["answer_ce"]) and float(out["answer_ce"]) == 0.0
     batch["label"] = torch.tensor([-100, 2])
-    assert float(module._losses(batch)["probe_ce"]) > 0
+    assert float(module._losses(batch)["answer_ce"]) > 0
 
 
 def test_baselines_alone_do_not_extract_token_states(tmp_path, tiny_lm):
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
                              "handoff.variants=[prompt_tuned]", "handoff.finetune_encoder=false",
-                             "compressor.probe_weight=0"])
+                             "compressor.answer_head_weight=0"])
     train(cfg, lm=tiny_lm)
     from safetensors import safe_open
 
     for f in (tmp_path / "cache" / "pooled").glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as g:
-            assert '"pool": "masked_mean"' in g.metadata()["key"]
+            assert '"pool": "mean"' in g.metadata()["key"]
 
 
 def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):
@@ -328,9 +330,13 @@ def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):
     from ilcp.pooling import AttentionPooler
 
     pooler = AttentionPooler(tiny_lm.hidden_size, 2)
-    HandoffModule("ilcp", tiny_lm, HandoffConfig(finetune_encoder=False), vae=BetaVAE(2 * tiny_lm.hidden_size, 4, 16),
-                  pooler=pooler)
+    encoder = ILCPEncoder(BetaVAE(2 * tiny_lm.hidden_size, 4, 16), pooler=pooler)
+    make_memory_source("ilcp", HandoffConfig(finetune_encoder=False), tiny_lm, encoder)
     assert not any(p.requires_grad for p in pooler.parameters())
+    assert not any(p.requires_grad for p in encoder.vae.parameters())
+    assert all(p.requires_grad for p in encoder.projector.parameters())
+    encoder.train()
+    assert not encoder.vae.training and not pooler.training and encoder.projector.training
 
 
 def test_stage_one_does_not_depend_on_random_numbers_drawn_before_it(tmp_path, tiny_lm):

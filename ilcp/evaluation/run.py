@@ -339,8 +339,7 @@ def evaluate(
     fingerprint = lm.fingerprint
     check_fingerprint(config, fingerprint)
     run = read_export(ckpt)
-    handoff = (ILCPHandoff(lm, run.compressor, run.projector, run.config, pooler=run.pooler)
-               if run.compressor is not None else None)
+    handoff = ILCPHandoff.from_export(run, lm) if run.encoder is not None else None
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
     bound = []
     for m in runnable:

@@ -1,0 +1,131 @@
+"""Training data: task rows with the sender's states, batches, and the data module.
+
+A row is ``{context, question, answer}`` plus the sender's states of its context: the states of
+every context token (`TokenStates`, what an attention pooler reads) or, for mean pooling, the
+mean computed ahead of time, (N, D). Both come from the frozen LM through `ilcp.pooling`'s
+Lightning predict loop and its on-disk cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from ..config import TrainConfig
+from ..encoder import pool_states
+from ..lm import LM
+from ..pooling import AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, pad_token_states
+from ..tasks import load_task, task_config_key
+from .log import say
+
+
+def task_kwargs(cfg: TrainConfig, split: str, size: int) -> dict:
+    """Arguments of `load_task` for the configured training task and a split."""
+    d = cfg.data
+    if d.task == "facts":
+        return {"n_examples": size, "n_facts": d.facts_n_facts, "n_distractors": d.facts_n_distractors, "seed": d.seed}
+    return {"variant": d.babi_variant, "limit": size, "seed": d.seed}
+
+
+def load_rows(cfg: TrainConfig, split: str, size: int):
+    """(rows as a list of dicts, task key for the cache) of the configured task."""
+    kwargs = task_kwargs(cfg, split, size)
+    ds = load_task(cfg.data.task, split, **kwargs)
+    return ds.to_list(), task_config_key(cfg.data.task, split, **kwargs)
+
+
+class HandoffRows(Dataset):
+    """Rows {context, question, answer} with their sender states: pooled (N, D), or the token
+    states of each context (`TokenStates`) for an attention pooler."""
+
+    def __init__(self, rows: list[dict], states: Tensor | TokenStates):
+        if len(rows) != len(states):
+            raise ValueError(f"{len(rows)} rows but {len(states)} sender states")
+        self.rows, self.states = rows, states
+
+    @property
+    def has_token_states(self) -> bool:
+        return isinstance(self.states, TokenStates)
+
+    @property
+    def state_dim(self) -> int:
+        return self.states.dim if self.has_token_states else self.states.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        r = self.rows[i]
+        return {"index": i, "states": self.states[i], "context": r["context"], "question": r["question"], "answer": r["answer"]}
+
+
+def collate_rows(items: list[dict]) -> dict:
+    """A batch: "pooled" (B, D), or "tokens" (B, S, D) with "token_mask" (B, S) for token states."""
+    batch = {
+        "index": torch.tensor([it["index"] for it in items]),
+        "context": [it["context"] for it in items],
+        "question": [it["question"] for it in items],
+        "answer": [it["answer"] for it in items],
+    }
+    if items[0]["states"].dim() == 2:
+        batch["tokens"], batch["token_mask"] = pad_token_states([it["states"] for it in items])
+    else:
+        batch["pooled"] = torch.stack([it["states"] for it in items])
+    return batch
+
+
+@torch.no_grad()
+def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, batch_size: int = 64) -> Tensor:
+    """Every row's pooled state (N, D) float32: the masked mean, or `pooler`'s output."""
+    if not rows.has_token_states:
+        return pool_states(pooler, rows.states)
+    if pooler is None:
+        return rows.states.mean()
+    out = []
+    for start in range(0, len(rows), batch_size):
+        states, mask = pad_token_states([rows.states[i] for i in range(start, min(start + batch_size, len(rows)))])
+        out.append(pool_states(pooler, states, mask))
+    return torch.cat(out)
+
+
+class HandoffDataModule(L.LightningDataModule):
+    """Train / validation rows with their sender states; shuffling is seeded."""
+
+    def __init__(self, train: HandoffRows, val: HandoffRows, batch_size: int, seed: int = 0):
+        super().__init__()
+        self.train, self.val, self.batch_size, self.seed = train, val, batch_size, seed
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=g,
+                          collate_fn=collate_rows, num_workers=0)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.batch_size, shuffle=False, collate_fn=collate_rows, num_workers=0)
+
+
+def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
+    """Train and validation rows with their (cached) sender states: token states when ilcp trains
+    an attention pooler, else mean-pooled states."""
+    out = {}
+    tokens = cfg.compressor.pooling == "attention" and "ilcp" in cfg.handoff.variants
+    extract = cached_token_states if tokens else cached_pooled_states
+    for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
+        rows, key = load_rows(cfg, split, size)
+        if not rows:
+            raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
+        t0 = time.perf_counter()
+        states, path, hit = extract(
+            lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
+            cache_dir=cfg.lm.cache_dir, max_length=cfg.data.max_length, layers=cfg.data.pool_layers,
+            batch_size=cfg.data.pool_batch_size, progress=cfg.trainer.progress,
+        )
+        what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
+        say(f"{split}: {len(rows)} rows; {what} "
+            f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
+        out[split] = HandoffRows(rows, states)
+    return out["train"], out["validation"]

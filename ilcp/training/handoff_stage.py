@@ -1,0 +1,239 @@
+"""Stage 2: a memory source trained through the frozen LM on the answer tokens.
+
+Every variant is a memory source (`ilcp.encoder`) trained with one recipe and step budget:
+``ilcp`` (an `ILCPEncoder`: latent -> K memory vectors, + question prompt), ``prompt_tuned`` (a
+`ConstantMemory`, + question prompt) and ``cold_read_tuned`` (a `ConstantMemory` that also reads
+the context text). The sequence is ``[K vectors ; rendered prompt ; answer + end token]``, left
+padded, with labels only on the answer tokens; validation logs the teacher-forced loss and the
+greedy exact match on a fixed subset every ``val_every_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+from torch import Tensor
+
+from .. import export, prompts
+from ..compat import logits_to_keep_kwargs
+from ..config import HandoffConfig, TrainConfig
+from ..decoding import assemble_prefix, greedy_decode, left_pad
+from ..encoder import ConstantMemory, ILCPEncoder, MemorySource
+from ..io import atomic_save_safetensors, atomic_write_json
+from ..lm import LM
+from ..metrics import exact_match
+from ..projector import GatedLatentToMemoryProjector, mean_token_embedding_norm
+from .data import HandoffDataModule
+from .log import checkpoint_state, last_checkpoint, make_trainer, parameter_counts, read_curve, say
+
+def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
+    """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
+    scale of the LM's token embeddings."""
+    projector = GatedLatentToMemoryProjector(encoder.latent_dim, cfg.num_memory_tokens, lm.hidden_size,
+                                             cfg.projector_hidden)
+    projector.calibrate_output_norm(mean_token_embedding_norm(lm.model))
+    encoder.projector = projector
+    return encoder
+
+
+def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None) -> MemorySource:
+    """The memory source a variant starts from; for ilcp, the encoder of the earlier stages, with
+    a new projector unless the reconstruction stage trained one, frozen unless fine-tuned."""
+    if variant == "ilcp":
+        if encoder is None:
+            raise ValueError("the ilcp variant needs the stage-1 encoder")
+        if encoder.projector is None:
+            attach_projector(encoder, cfg, lm)
+        if not cfg.finetune_encoder:
+            encoder.freeze_encoder()
+        return encoder
+    if variant in ("prompt_tuned", "cold_read_tuned"):
+        return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
+                                                  reads_context_text=variant == "cold_read_tuned")
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+class HandoffModule(L.LightningModule):
+    """A memory source + the receiver prompt -> the answer, through the frozen LM.
+
+    Args:
+        source: the memory source trained here (`ILCPEncoder` or `ConstantMemory`).
+        lm: the frozen LM (kept in eval mode, excluded from checkpoints).
+        cfg: stage-2 settings.
+        val_decode_size: validation rows (the first ones) decoded for exact match.
+    """
+
+    def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64):
+        super().__init__()
+        self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
+        self.lm = lm.model
+        self.strict_loading = False  # checkpoints hold the trained modules only
+        self._val_hits: list[bool] = []
+
+    # the frozen LM stays in eval mode whatever Lightning asks of the module
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.lm.eval()
+        return self
+
+    def memory(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """(memory (B, K, H) in the LM's dtype, mean KL or 0) of a batch."""
+        return self.source.memory_for_batch(batch, self.lm.get_input_embeddings().weight.dtype)
+
+    def prompt_text(self, context: str, question: str) -> str:
+        if self.source.reads_context_text:
+            return prompts.cold_read_prompt(self.tokenizer, context, question)
+        return prompts.question_prompt(self.tokenizer, question)
+
+    def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
+        memory, kl = self.memory(batch)
+        embed = self.lm.get_input_embeddings()
+        device = embed.weight.device
+        sequences, labels = [], []
+        for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
+            prompt_ids = self.tokenizer(self.prompt_text(context, question), add_special_tokens=False)["input_ids"]
+            answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
+            ids = torch.tensor(prompt_ids + answer_ids, device=device)
+            sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
+            n_ignored = memory.shape[1] + len(prompt_ids)
+            labels.append(torch.tensor([-100] * n_ignored + answer_ids, device=device))
+        return self._loss_on_tail(sequences, labels), kl
+
+    def _loss_on_tail(self, sequences: list[Tensor], labels: list[Tensor]) -> Tensor:
+        """Mean cross-entropy of the labelled tokens of left-padded sequences.
+
+        Left padding puts every labelled token at the right edge, so only the logits of the last
+        positions are computed: position t predicts token t + 1."""
+        inputs_embeds, attention_mask, position_ids = left_pad(sequences)
+        device = inputs_embeds.device
+        n_keep = max(len(lab) - int((lab == -100).sum()) for lab in labels) + 1
+        targets = torch.full((len(labels), n_keep - 1), -100, dtype=torch.long, device=device)
+        for i, lab in enumerate(labels):
+            tail = lab[-(n_keep - 1):]
+            targets[i, n_keep - 1 - len(tail):] = tail
+        out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
+        logits = out.logits[:, -n_keep:-1].float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+    def training_step(self, batch, batch_idx):
+        loss, kl = self._teacher_forced(batch)
+        total = loss + self.cfg.joint_kl_weight * kl if self.cfg.joint_kl_weight > 0 else loss
+        self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=len(batch["answer"]))
+        return total
+
+    def validation_step(self, batch, batch_idx):
+        loss, _ = self._teacher_forced(batch)
+        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]))
+        keep = [i for i, idx in enumerate(batch["index"].tolist()) if idx < self.val_decode_size]
+        if keep:
+            predictions = self.answer(batch, keep)
+            self._val_hits.extend(exact_match(p, batch["answer"][i]) for p, i in zip(predictions, keep))
+
+    def on_validation_epoch_end(self):
+        if self._val_hits:
+            self.log("val/exact_match", sum(self._val_hits) / len(self._val_hits), prog_bar=True)
+        self.log("val/step", float(self.global_step))
+        self._val_hits.clear()
+
+    @torch.no_grad()
+    def answer(self, batch: dict, rows: list[int] | None = None) -> list[str]:
+        """Greedy answers of this variant for rows of a batch (default all of them)."""
+        rows = list(range(len(batch["question"]))) if rows is None else rows
+        memory, _ = self.memory(batch)
+        prefixes = [assemble_prefix(self.lm, self.tokenizer,
+                                    [memory[i], self.prompt_text(batch["context"][i], batch["question"][i])])
+                    for i in rows]
+        return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
+                             batch_size=self.cfg.batch_size)
+
+    def configure_optimizers(self):
+        return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.cfg.max_steps,
+                           self.cfg.warmup_steps)
+
+    def _adamw(self, groups: list[dict], total: int, warmup: int) -> dict:
+        """AdamW over `groups` with a linear warm-up, then a cosine decay to 10% at `total` steps."""
+        opt = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        frozen = {f"{name}." for name, child in self.named_children() if child is self.lm}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(tuple(frozen))}
+
+
+def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModule, encoder: ILCPEncoder | None,
+                  resume: bool) -> tuple[MemorySource, dict]:
+    """Stage 2 for one variant: its trained memory source (best validation weights) and metrics."""
+    stage_dir = cfg.run_dir / "stages" / variant
+    done = stage_dir / f"{variant}.safetensors"
+    L.seed_everything(cfg.trainer.seed, verbose=False)
+    source = make_memory_source(variant, cfg.handoff, lm, encoder)
+    if resume and done.is_file():
+        export.load_trained_state(source, load_file(str(done)), origin=str(done))
+        say(f"stage 2 ({variant}): finished earlier, loaded")
+        return source, json.loads((stage_dir / "metrics.json").read_text())
+    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size)
+    tr, fr = parameter_counts(module)
+    h = cfg.handoff
+    say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen (the LM); "
+        f"{h.max_steps} steps of batch {h.batch_size}")
+    steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
+                                            max_steps=h.max_steps, val_every_steps=h.val_every_steps)
+    metrics = {
+        "variant": variant, "steps": steps, "train_seconds": round(seconds, 1),
+        "best_step": best.get("step"), "best_val_exact_match": best.get("val/exact_match"),
+        "final_val_exact_match": curve[-1].get("val/exact_match") if curve else None,
+        "final_val_loss": curve[-1].get("val/loss") if curve else None,
+        "curve": curve, "val_decode_size": cfg.data.val_decode_size,
+    }
+    atomic_save_safetensors(export.trained_state(source), done)
+    atomic_write_json(stage_dir / "metrics.json", metrics)
+    return source, metrics
+
+
+def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.LightningDataModule, resume: bool, *,
+              monitor: str, mode: str, max_steps: int, val_every_steps: int) -> tuple[int, float, list[dict], dict]:
+    """Fit a through-the-LM stage for `max_steps` steps, validating every `val_every_steps` and at
+    the end; keep `last.ckpt` (resume) and the best checkpoint by `monitor`, whose weights the
+    module holds afterwards. Returns (optimizer steps, seconds, validation curve, best curve row)."""
+    stage_dir = cfg.run_dir / "stages" / name
+    every = min(val_every_steps, max_steps)
+    ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), filename="best-{step}",
+                           monitor=monitor, mode=mode, save_top_k=1, save_last=True)
+    trainer = make_trainer(cfg, stage_dir, name, [ckpt], max_steps=max_steps, val_check_interval=every,
+                           check_val_every_n_epoch=None, limit_val_batches=1.0)
+    t0 = time.perf_counter()
+    last = last_checkpoint(stage_dir) if resume else None
+    if last is not None:
+        say(f"{name}: resuming from {last}")
+    with warnings.catch_warnings():
+        # The frozen LM is in eval mode on purpose (see HandoffModule.train).
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        trainer.fit(module, datamodule=data, ckpt_path=last)
+    trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
+    if trainer.global_step % every != 0:
+        trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
+    seconds = time.perf_counter() - t0
+    curve = read_curve(cfg, name)
+    if ckpt.best_model_path:
+        module.load_state_dict(checkpoint_state(Path(ckpt.best_model_path)), strict=False)
+    sign = 1.0 if mode == "max" else -1.0
+    best = max(curve, key=lambda r: sign * r.get(monitor, -sign * float("inf"))) if curve else {}
+    return int(trainer.global_step), seconds, curve, best

@@ -1,0 +1,61 @@
+"""Progress lines of a training run, and the Lightning pieces every stage shares."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+
+
+def say(msg: str) -> None:
+    print(f"[ilcp] {msg}", flush=True)
+
+
+def parameter_counts(module: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts."""
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> L.Trainer:
+    """A Trainer with the run's accelerator settings, logging to ``RUN/logs/NAME``."""
+    t = cfg.trainer
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision=t.precision, logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
+        callbacks=callbacks, enable_progress_bar=t.progress, enable_model_summary=False,
+        default_root_dir=str(stage_dir), num_sanity_val_steps=0, log_every_n_steps=5, **kwargs,
+    )
+
+
+def read_curve(cfg, name: str) -> list[dict]:
+    """Validation rows of a stage's CSV log: [{step, val/loss, val/exact_match, ...}]."""
+    path = cfg.run_dir / "logs" / name / "metrics.csv"
+    if not path.is_file():
+        return []
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            vals = {k: float(v) for k, v in r.items() if k.startswith("val/") and v not in ("", None)}
+            if vals:
+                step = vals.pop("val/step", float(r["step"]))  # the optimizer step validated
+                rows.append({"step": int(step), **vals})
+    merged: dict[int, dict] = {}
+    for r in rows:
+        merged.setdefault(r["step"], {}).update(r)
+    return [merged[s] for s in sorted(merged)]
+
+
+def last_checkpoint(stage_dir: Path) -> Path | None:
+    p = stage_dir / "checkpoints" / "last.ckpt"
+    return p if p.is_file() else None
+
+
+def checkpoint_state(path: Path) -> dict[str, Tensor]:
+    """A Lightning checkpoint's state dict, read without unpickling arbitrary objects."""
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
