@@ -252,7 +252,7 @@ def test_evaluation_modules_import_without_a_cycle():
 
 def test_ilcp_method_sends_the_handoff_payload_and_counts_its_bytes(run_dir, tiny_lm):
     run = read_export(run_dir)
-    handoff = ILCPHandoff(tiny_lm, run.compressor, run.projector, run.config, pooler=run.pooler)
+    handoff = ILCPHandoff.from_export(run, tiny_lm)
     method = make_method("ilcp")
     assert isinstance(method, ILCPMethod)
     method.bind(EvalContext(lm=tiny_lm, run=run, handoff=handoff))

@@ -4,7 +4,7 @@ with it exports, reloads and resumes."""
 import pytest
 import torch
 
-from conftest import TINY_CONFIG
+from pathlib import Path
 from ilcp.compressor import BetaVAE
 from ilcp.config import load_config
 from ilcp.encoder import ILCPEncoder
@@ -16,6 +16,7 @@ from ilcp.training.data import HandoffRows, collate_rows
 from ilcp.training.handoff_stage import attach_projector
 from ilcp.training.reconstruction_stage import distinct_contexts
 
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 CONTEXTS = ["Cedar is owned by Alice.", "Maple is owned by Bruno.", "Willow is owned by Chen.",
             "John went to the garden. Mary is in the hall."]
 
