@@ -49,6 +49,9 @@ class DataConfig:
     val_decode_size: int = _f(256, "validation rows decoded greedily for exact match (a fixed subset)")
     facts_n_facts: int = _f(4, "facts task: facts stated in each context")
     facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
+    facts_value_split: str | None = _f(None, "facts task: 'train' draws every value from the training side of the "
+                                             "value partition, so eval's facts-heldout split asks only unseen values "
+                                             "(null: the original generator)")
     max_length: int = _f(512, "context tokens pooled (longer contexts keep their last tokens)")
     pool_layers: list = _f([-1], "hidden-state layers mean-pooled and concatenated (-1 = last)")
     pool_batch_size: int = _f(16, "batch size of pooled-state extraction")
@@ -62,6 +65,8 @@ class DataConfig:
         for name in ("train_size", "val_size", "val_decode_size", "max_length", "pool_batch_size", "facts_n_facts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.facts_value_split not in (None, "train"):
+            raise ValueError(f"data.facts_value_split must be null or 'train', got {self.facts_value_split!r}")
         if self.facts_n_distractors < 0:
             raise ValueError(f"data.facts_n_distractors must be >= 0, got {self.facts_n_distractors}")
         if not self.pool_layers or not all(isinstance(i, int) for i in self.pool_layers):

@@ -301,3 +301,29 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
     monkeypatch.undo()
     results = evaluate(facts_run, methods=["cold_read"], limit=2, latency_n=0, lengths=(), lm=tiny_lm, **FAST)
     assert list(results["tasks"]) == ["babi:1"]
+
+
+def test_facts_heldout_task_asks_only_values_training_never_used():
+    from ilcp.tasks import FACT_VOCABULARIES, fact_values
+
+    spec = eval_run.parse_task("facts-heldout")
+    assert spec.is_facts and spec.value_split == "heldout"
+    settings = {"n_facts": 2, "n_distractors": 0, "seed": 0, "value_split": "train"}
+    rows, _, desc = eval_run._task_rows(spec, 40, settings)
+    heldout = {v for vocab in FACT_VOCABULARIES for v in fact_values(vocab, "heldout")}
+    train_answers = {r["answer"] for r in make_facts(400, split="train", n_facts=2, value_split="train").to_list()}
+    assert "held-out values" in desc and len(rows) == 40
+    assert {r["answer"] for r in rows} <= heldout and not ({r["answer"] for r in rows} & train_answers)
+
+
+def test_facts_value_split_flows_from_the_config_to_the_export_and_eval(tmp_path):
+    from ilcp.config import load_config
+    from ilcp.training.data import task_kwargs
+
+    cfg = load_config(None, ["data.task=facts", "data.facts_value_split=train"])
+    assert task_kwargs(cfg, "train", 10)["value_split"] == "train"
+    assert "value_split" not in task_kwargs(load_config(None, ["data.task=facts"]), "train", 10)
+    with pytest.raises(ValueError, match="facts_value_split"):
+        load_config(None, ["data.facts_value_split=heldout"])
+    config = {"task_settings": {"facts_n_facts": 1, "facts_n_distractors": 0, "seed": 0, "facts_value_split": "train"}}
+    assert eval_run._facts_settings(config, tmp_path)["value_split"] == "train"

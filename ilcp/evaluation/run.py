@@ -63,6 +63,7 @@ class TaskSpec:
 
     name: str
     babi_number: int | None = None
+    value_split: str | None = None  # facts: "heldout" asks only values that training never used
 
     @property
     def is_facts(self) -> bool:
@@ -70,16 +71,19 @@ class TaskSpec:
 
 
 def parse_task(name: str) -> TaskSpec:
-    """"babi:N" (also "babi-qaN", "qaN") or "facts"; ValueError for anything else, or for a bAbI
-    task without an ``en`` test file."""
+    """"babi:N" (also "babi-qaN", "qaN"), "facts", or "facts-heldout" (the facts test split whose
+    values are all held out of training: see `ilcp.tasks.make_facts`); ValueError for anything
+    else, or for a bAbI task without an ``en`` test file."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"task must be a non-empty string, got {name!r}")
     text = name.strip()
     if text == "facts":
         return TaskSpec("facts")
+    if text == "facts-heldout":
+        return TaskSpec("facts-heldout", value_split="heldout")
     match = _BABI.match(text) or re.fullmatch(r"qa(\d+)", text, re.IGNORECASE)
     if not match or int(match.group(1)) < 1:
-        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number) or 'facts'")
+        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number), 'facts' or 'facts-heldout'")
     number = int(match.group(1))
     try:
         babi_file(number, "test", variant="en")
@@ -93,9 +97,13 @@ def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None) -
     task is built with the run's ``facts_settings`` (`_facts_settings`)."""
     if spec.is_facts:
         n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
-        rows = make_facts(n, split="test", **facts_settings).to_list()
-        desc = (f"facts test split ({facts_settings['n_facts']} facts, {facts_settings['n_distractors']} "
-                f"distractors, seed {facts_settings['seed']})")
+        settings = dict(facts_settings)
+        if spec.value_split is not None:
+            settings["value_split"] = spec.value_split
+        rows = make_facts(n, split="test", **settings).to_list()
+        values = {None: "", "train": ", training values", "heldout": ", held-out values"}[settings.get("value_split")]
+        desc = (f"facts test split ({settings['n_facts']} facts, {settings['n_distractors']} "
+                f"distractors, seed {settings['seed']}{values})")
         return rows, FACTS_TEST_SIZE, desc
     rows = load_babi(spec.babi_number, "test", variant="en").to_list()
     available = len(rows)
@@ -131,6 +139,11 @@ def _facts_settings(config: dict, ckpt: Path) -> dict:
         settings[arg] = value
     if settings["n_facts"] < 1:
         raise ExportError(f"{where}: task_settings.facts_n_facts must be >= 1, got {settings['n_facts']}")
+    value_split = recorded.get("facts_value_split")
+    if value_split not in (None, "train"):
+        raise ExportError(f"{where}: task_settings.facts_value_split must be null or 'train', got {value_split!r}")
+    if value_split is not None:
+        settings["value_split"] = value_split
     return settings
 
 
@@ -442,14 +455,16 @@ def _length_sweep(methods: list[HandoffMethod], lm: LM, lengths: Sequence[int], 
 
 def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: int, settings: dict,
                        batch_size: int, max_new_tokens: int, resamples: int, seed: int, progress: bool, say) -> dict | None:
-    """Accuracy on facts contexts with 1, 2, 4, ... facts (the run's distractor count)."""
+    """Accuracy on facts contexts with 1, 2, 4, ... facts (the run's distractor count); a run trained
+    on training values only is asked held-out values, so the sweep measures reading."""
     if not methods:
         return None
     say(f"facts-count sweep: {', '.join(m.name for m in methods)} at {list(counts)} facts, {n} questions each")
     rows_out = []
     for count in counts:
+        heldout = {"value_split": "heldout"} if settings.get("value_split") == "train" else {}
         rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
-                          split="test").to_list()
+                          split="test", **heldout).to_list()
         for m in methods:
             metrics, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, resamples=resamples,
                                    seed=seed, progress=progress, desc=f"{count} facts {m.name}")

@@ -27,7 +27,10 @@ def task_kwargs(cfg: TrainConfig, split: str, size: int) -> dict:
     """Arguments of `load_task` for the configured training task and a split."""
     d = cfg.data
     if d.task == "facts":
-        return {"n_examples": size, "n_facts": d.facts_n_facts, "n_distractors": d.facts_n_distractors, "seed": d.seed}
+        kwargs = {"n_examples": size, "n_facts": d.facts_n_facts, "n_distractors": d.facts_n_distractors, "seed": d.seed}
+        if d.facts_value_split is not None:
+            kwargs["value_split"] = d.facts_value_split
+        return kwargs
     return {"variant": d.babi_variant, "limit": size, "seed": d.seed}
 
 
