@@ -83,6 +83,8 @@ class CompressorConfig:
     batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
     pooling: str = _f("attention", "sender summary: 'attention' (learned queries) or 'mean' (masked mean, the spec)")
+    chunk_tokens: int = _f(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
+                              "payload grows with the context (0 = one latent per context, the spec)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
     answer_head_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
                                   "[z ; question]: answers shape the latent without the LM (0 = the spec)")
@@ -91,6 +93,11 @@ class CompressorConfig:
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"compressor.chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.chunk_tokens > 0 and self.answer_head_weight > 0:
+            raise ValueError("compressor.chunk_tokens > 0 needs compressor.answer_head_weight=0 (the answer head reads "
+                             "one latent per context)")
         if self.answer_head_weight < 0:
             raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
         if self.pooling not in POOLINGS:
@@ -189,9 +196,10 @@ class TrainConfig:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
         c = self.compressor
         if (c.pooling == "attention" and "ilcp" in self.handoff.variants
-                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0)):
-            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true or "
-                             "compressor.answer_head_weight > 0 (the pooler's queries learn from answers only)")
+                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0 or self.reconstruct.steps > 0)):
+            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true, "
+                             "compressor.answer_head_weight > 0 or reconstruct.steps > 0 (nothing else teaches the "
+                             "pooler's queries)")
         if self.reconstruct.steps > 0 and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":

@@ -6,7 +6,10 @@ handle them alike:
 - `ILCPEncoder` (the ILCP path): the sender's token states -> pooled state (masked mean, or a
   learned `AttentionPooler`) -> beta-VAE latent z = mu -> gated projector -> K memory vectors.
   The latent is what crosses the handoff: ``encoder.latent(states, mask)`` on the sender,
-  ``encoder.memory(z)`` on the receiver.
+  ``encoder.memory(z)`` on the receiver. With ``chunk_tokens = C > 0`` the context is cut into
+  consecutive chunks of C tokens and each chunk is pooled and encoded through the same VAE, so a
+  context of S tokens sends ceil(S / C) latents (B, N, Z) and the receiver reads N * K vectors:
+  the payload grows with the context. ``chunk_tokens = 0`` is the specification's single latent.
 - `ConstantMemory` (the tuned baselines): K learned vectors, the same for every context;
   ``reads_context_text`` says whether the receiver also reads the context (cold_read_tuned) or
   not (prompt_tuned).
@@ -39,6 +42,7 @@ class ILCPEncoder(nn.Module):
         vae: the beta-VAE (its input width is the pooled state's width).
         projector: z (B, Z) -> memory (B, K, H); None while only stage 1 has run.
         pooler: learned attention pooling over token states; None for the masked mean.
+        chunk_tokens: C > 0: one latent per chunk of C tokens; 0: one latent per context.
 
     Raises:
         ValueError: the parts do not fit together (widths).
@@ -47,8 +51,11 @@ class ILCPEncoder(nn.Module):
     reads_context_text = False
 
     def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None = None,
-                 pooler: AttentionPooler | None = None):
+                 pooler: AttentionPooler | None = None, chunk_tokens: int = 0):
         super().__init__()
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be an int >= 0, got {chunk_tokens!r}")
+        self.chunk_tokens = chunk_tokens
         if pooler is not None and pooler.output_dim != vae.input_dim:
             raise ValueError(f"the pooler gives {pooler.output_dim} floats, the VAE reads {vae.input_dim}")
         if projector is not None and projector.latent_dim != vae.latent_dim:
@@ -83,31 +90,66 @@ class ILCPEncoder(nn.Module):
 
     # ------------------------------------------------------------------------------ sender
 
+    @property
+    def chunked(self) -> bool:
+        """Whether a context sends one latent per chunk of tokens."""
+        return self.chunk_tokens > 0
+
     def pool(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Sender states -> pooled (B, D') float32 (see `pool_states`)."""
+        """Sender states -> pooled (B, D') float32, one per context (see `pool_states`)."""
         return pool_states(self.pooler, states, attention_mask)
 
+    def pooled_units(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The pooled state of every latent the states give: (B, D') per context, or with chunks
+        (U, D') for the U chunks that hold a token, in row-major order."""
+        return pool_units(self.pooler, self.chunk_tokens, states, attention_mask)
+
     def encode(self, states: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(mu, logvar), each (B, Z) float32, of the sender states (see `pool`)."""
-        return self.vae.encode(self.pool(states, attention_mask))
+        """(mu, logvar) of the sender states, float32: each (B, Z), or with chunks (B, N, Z), N the
+        most chunks of any row (see `latent_mask` for which are real)."""
+        if not self.chunked:
+            return self.vae.encode(self.pool(states, attention_mask))
+        chunk_states, chunk_mask, real = split_chunks(states, attention_mask, self.chunk_tokens)
+        mu, logvar = self.vae.encode(pool_states(self.pooler, chunk_states, chunk_mask))
+        b, n = real.shape
+        return mu.view(b, n, -1), logvar.view(b, n, -1)
+
+    def latent_mask(self, attention_mask: Tensor) -> Tensor:
+        """(B, N) bool: which of the latents `encode` gives hold tokens ((B, 1) without chunks)."""
+        if not self.chunked:
+            return attention_mask.new_ones((attention_mask.shape[0], 1), dtype=torch.bool)
+        lengths = attention_mask.long().sum(-1)
+        n = -(-attention_mask.shape[1] // self.chunk_tokens)
+        return torch.arange(n, device=attention_mask.device).unsqueeze(0) * self.chunk_tokens < lengths.unsqueeze(1)
 
     def latent(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """The payload: z = mu, (B, Z) float32."""
+        """The payload: z = mu, (B, Z) float32, or with chunks (B, N, Z)."""
         return self.encode(states, attention_mask)[0]
 
     # ---------------------------------------------------------------------------- receiver
 
     def memory(self, latent: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """z (B, Z) -> memory vectors (B, K, H), cast to `dtype` when given."""
+        """z (B, Z) -> memory vectors (B, K, H); with chunks, z (B, N, Z) -> (B, N * K, H), each
+        latent's K vectors in chunk order. Cast to `dtype` when given."""
+        if latent.dim() == 3:
+            b, n, z = latent.shape
+            return self._projector()(latent.reshape(b * n, z), dtype=dtype).reshape(b, -1, self.projector.model_hidden)
         return self._projector()(latent, dtype=dtype)
 
     # ---------------------------------------------------------------------------- training
 
-    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(memory (B, K, H) in `dtype`, mean KL of the batch's posteriors)."""
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[Tensor | list[Tensor], Tensor]:
+        """(memory in `dtype`, mean KL of the batch's posteriors): (B, K, H), or with chunks one
+        (N_i * K, H) tensor per row, N_i its chunks."""
         states, mask = sender_states_of(batch)
         mu, logvar = self.encode(states, mask)
-        return self.memory(mu, dtype), kl_divergence(mu, logvar).mean()
+        if not self.chunked:
+            return self.memory(mu, dtype), kl_divergence(mu, logvar).mean()
+        real = self.latent_mask(mask)
+        memory = self.memory(mu, dtype)
+        k = self.num_memory_tokens
+        rows = [memory[i, : int(real[i].sum()) * k] for i in range(memory.shape[0])]
+        return rows, kl_divergence(mu[real], logvar[real]).mean()
 
     def freeze_encoder(self) -> None:
         """Pooler and VAE stop learning and stay in eval mode (the projector still learns)."""
@@ -190,6 +232,36 @@ def pool_states(pooler: AttentionPooler | None, states: Tensor, attention_mask: 
     if pooler is not None:
         return pooler(states, attention_mask)
     return masked_mean_pool(states, attention_mask).float()
+
+
+def split_chunks(states: Tensor, attention_mask: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded token states cut into consecutive chunks of `chunk_tokens`.
+
+    Args:
+        states: (B, S, D); attention_mask: (B, S), real tokens first in each row.
+    Returns:
+        (chunk states (B * N, C, D), chunk mask (B * N, C), real (B, N) bool), N = ceil(S / C).
+    """
+    if attention_mask is None:
+        raise ValueError("one latent per chunk needs the token states and their mask, not pooled states")
+    b, s, d = states.shape
+    n = max(1, -(-s // chunk_tokens))
+    pad = n * chunk_tokens - s
+    if pad:
+        states = torch.cat([states, states.new_zeros((b, pad, d))], dim=1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((b, pad))], dim=1)
+    chunk_mask = attention_mask.reshape(b * n, chunk_tokens)
+    return states.reshape(b * n, chunk_tokens, d), chunk_mask, chunk_mask.reshape(b, n, chunk_tokens).bool().any(-1)
+
+
+def pool_units(pooler: AttentionPooler | None, chunk_tokens: int, states: Tensor,
+               attention_mask: Tensor | None = None) -> Tensor:
+    """Pooled states of every latent unit: contexts (B, D'), or with ``chunk_tokens > 0`` the
+    chunks that hold a token (U, D'), row-major."""
+    if chunk_tokens <= 0:
+        return pool_states(pooler, states, attention_mask)
+    chunk_states, chunk_mask, real = split_chunks(states, attention_mask, chunk_tokens)
+    return pool_states(pooler, chunk_states, chunk_mask)[real.reshape(-1)]
 
 
 def sender_states_of(batch: dict) -> tuple[Tensor, Tensor | None]:

@@ -124,6 +124,8 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     pooling = {"kind": encoder.pooling, "layers": [int(i) for i in layers], "max_length": int(max_length)}
     if encoder.pooler is not None:
         pooling["num_queries"] = encoder.pooler.num_queries
+    if encoder.chunked:
+        pooling["chunk_tokens"] = encoder.chunk_tokens
     return {
         "latent_dim": vae.latent_dim,
         "num_memory_tokens": projector.num_memory_tokens,
@@ -206,6 +208,7 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
         GatedLatentToMemoryProjector(config["latent_dim"], config["num_memory_tokens"], config["lm"]["hidden_size"],
                                      config["projector"]["hidden"]),
         pooler,
+        chunk_tokens=int(pooling.get("chunk_tokens", 0)),
     )
     if state is not None:
         load_encoder_state(encoder, state, source=source)

@@ -224,33 +224,38 @@ class ILCPHandoff:
         input_ids, mask = pad_right(ids, pad_id_of(self.lm.tokenizer))
         return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
 
-    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> Tensor:
+    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[Tensor]:
         """z = mu of each context: the sender forward training ran, one per batch of similar
         lengths, then the encoder.
 
         Returns:
-            (B, Z) float32 on the encoder's device, in the order given.
+            one float32 tensor per context, in the order given, on the encoder's device: (Z,), or
+            (N_i, Z) for a run with one latent per chunk (N_i the context's chunks).
         """
         batch_size = positive_int("batch_size", batch_size)
         inputs = self.sender_inputs(contexts)  # validates and truncates
         lengths = inputs["attention_mask"].sum(-1).tolist()
         order = sorted(range(len(contexts)), key=lambda i: lengths[i])
-        z = torch.zeros((len(contexts), self.latent_dim), dtype=torch.float32, device=self.device)
+        out: list[Tensor] = [None] * len(contexts)  # type: ignore[list-item]
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             width = max(lengths[i] for i in chunk)
             mask = inputs["attention_mask"][chunk, :width]
             with torch.no_grad():
                 states = sender_token_states(self.lm.model, inputs["input_ids"][chunk, :width], mask, self.layers)
-                z[chunk] = self.encoder.latent(states.to(self.device), mask.to(self.device))
-        return z
+                z = self.encoder.latent(states.to(self.device), mask.to(self.device))
+                real = self.encoder.latent_mask(mask.to(self.device))
+            for row, i in enumerate(chunk):
+                out[i] = z[row][real[row]] if self.encoder.chunked else z[row]
+        return out
 
     def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
         """Encode and pack a context.
 
         Args:
-            context: one context string (payload latent (Z,)) or a list of them (payload latent
-                (B, Z)).
+            context: one context string (payload latent (Z,), or (N, Z) with one latent per
+                chunk) or a list of them (payload latent (B, Z), or (B, N, Z) when every context
+                has N chunks; `send_each` sends contexts of any lengths).
             batch_size: contexts per sender forward.
 
         Returns:
@@ -258,11 +263,21 @@ class ILCPHandoff:
 
         Raises:
             ValueError: not a string or a non-empty list of strings; an empty context; a
-                batch_size that is not a positive int.
+                batch_size that is not a positive int; chunked contexts with different numbers
+                of chunks in one payload.
         """
         single = isinstance(context, str)
         z = self.latents([context] if single else context, batch_size=batch_size)
-        return self._pack(z[0] if single else z)
+        if single:
+            return self._pack(z[0])
+        if len({tuple(t.shape) for t in z}) > 1:
+            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
+                             f"{self.encoder.chunk_tokens} tokens): send them with send_each")
+        return self._pack(torch.stack(z))
+
+    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
+        """One payload per context (batched sender forwards), whatever their lengths."""
+        return [self._pack(z) for z in self.latents(contexts, batch_size=batch_size)]
 
     def send_from_hidden_states(self, outputs, attention_mask: Tensor) -> TransportPayload:
         """Pack the contexts a sender's own forward already encoded; runs no forward.
@@ -277,7 +292,12 @@ class ILCPHandoff:
         """
         with torch.no_grad():
             states = layer_states(outputs, self.layers).to(self.device)
-            return self._pack(self.encoder.latent(states, attention_mask.to(self.device)))
+            mask = attention_mask.to(self.device)
+            z = self.encoder.latent(states, mask)
+            if self.encoder.chunked and not bool(self.encoder.latent_mask(mask).all()):
+                raise ValueError("these contexts carry different numbers of latents: run the forward on one "
+                                 "context at a time, or use send_each")
+            return self._pack(z)
 
     def _pack(self, z: Tensor) -> TransportPayload:
         return pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype)
@@ -299,21 +319,29 @@ class ILCPHandoff:
         return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint)
 
     def memory_vectors(self, payload: TransportPayload | bytes) -> Tensor:
-        """Received payload -> memory vectors (B, K, H) in the LM's dtype, on the LM's device.
+        """Received payload -> memory vectors (B, K, H), or (B, N * K, H) with one latent per
+        chunk, in the LM's dtype, on the LM's device.
 
         The receiver works on its own copy of z (`unpack`), so receivers never alias a payload.
+
+        Raises:
+            PayloadError: invalid or foreign bytes, or a latent whose shape this export does not
+                read: (Z,) or (B, Z) for one latent per context, (N, Z) or (B, N, Z) per chunk.
         """
         z = unpack(self.parse(payload), self.device, dtype=torch.float32)
-        if z.dim() == 1:
+        per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
+        if z.dim() not in (per_context, per_context + 1) or z.shape[-1] != self.latent_dim:
+            expected = "(N, Z) or (B, N, Z)" if self.encoder.chunked else "(Z,) or (B, Z)"
+            raise PayloadError(f"payload latent has shape {tuple(z.shape)}; this receiver reads {expected} with "
+                               f"Z = {self.latent_dim}")
+        if z.dim() == per_context:
             z = z.unsqueeze(0)
-        if z.shape[1] != self.latent_dim:
-            raise PayloadError(f"payload latent has width {z.shape[1]}; this receiver expects {self.latent_dim}")
         with torch.no_grad():
             memory = self.encoder.memory(z, dtype=self.lm.dtype)
         return memory.to(self.lm.device)
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
-        """The receiver's prefixes ``[memory ; question prompt]``, one (K + L_i, H) per question."""
+        """The receiver's prefixes ``[memory ; question prompt]``, one per question and context."""
         memory = self.memory_vectors(payload)
         if memory.shape[0] != len(questions):
             raise ValueError(f"payload holds {memory.shape[0]} latent(s) but {len(questions)} question(s) were given")

@@ -97,19 +97,19 @@ class ILCPMethod(HandoffMethod):
     def send(self, row: dict) -> Sent:
         payload = self.ctx.handoff.send(row["context"])
         data = payload.to_bytes()
-        return Sent(handed_over=data, wire_bytes=len(data), tensor_bytes=self.ctx.handoff.tensor_bytes)
+        return Sent(handed_over=data, wire_bytes=len(data), tensor_bytes=payload.byte_length())
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
         return self.ctx.handoff.prefixes(sent.handed_over, [row["question"]])[0]
 
     def build_prefixes(self, rows: Sequence[dict]) -> Prefixes:
         handoff = self.ctx.handoff
-        payload = handoff.send([r["context"] for r in rows], batch_size=self.ctx.pool_batch_size)
-        prefixes = handoff.prefixes(payload.to_bytes(), [r["question"] for r in rows])
-        # Every row's own payload is a single latent: its size, not the batch's, is what one
-        # handoff sends.
-        return Prefixes(prefixes=prefixes, wire_bytes=[handoff.wire_bytes] * len(rows),
-                        tensor_bytes=[handoff.tensor_bytes] * len(rows))
+        # One payload per row: its size, not a batch's, is what one handoff sends.
+        payloads = handoff.send_each([r["context"] for r in rows], batch_size=self.ctx.pool_batch_size)
+        wires = [p.to_bytes() for p in payloads]
+        prefixes = [handoff.prefixes(w, [r["question"]])[0] for w, r in zip(wires, rows)]
+        return Prefixes(prefixes=prefixes, wire_bytes=[len(w) for w in wires],
+                        tensor_bytes=[p.byte_length() for p in payloads])
 
 
 for _cls in (NoContext, PromptTuned, ColdRead, ColdReadTuned, ILCPMethod):

@@ -101,7 +101,7 @@ class CompressorModule(L.LightningModule):
         return beta * min(1.0, self.global_step / self.cfg.kl_warmup_steps)
 
     def _losses(self, batch) -> dict[str, Tensor]:
-        pooled = self.encoder.pool(*sender_states_of(batch))
+        pooled = self.encoder.pooled_units(*sender_states_of(batch))
         out = self.encoder.vae(pooled.detach() if self.head is None else pooled)
         recon = torch.mean((out.reconstruction - out.target.detach()) ** 2)
         losses = {"recon": recon, "kl": out.kl, "mu": out.mu}
@@ -162,11 +162,12 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
     pooler = make_pooler(cfg, train.state_dim) if train.has_token_states else None
-    train_pooled = pooled_rows(train, pooler)
+    train_pooled = pooled_rows(train, pooler, c.chunk_tokens)
     # Seeded before the VAE is built: its initialisation must not depend on what ran earlier in
     # the process (loading or converting the LM draws random numbers too).
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    encoder = ILCPEncoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), pooler=pooler)
+    encoder = ILCPEncoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), pooler=pooler,
+                          chunk_tokens=c.chunk_tokens)
     if resume and done.is_file():
         state = load_file(str(done))
         if not export.has_encoder_layout(state):

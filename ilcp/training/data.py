@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import TrainConfig
-from ..encoder import pool_states
+from ..encoder import pool_states, pool_units
 from ..lm import LM
 from ..pooling import AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, pad_token_states
 from ..tasks import load_task, task_config_key
@@ -82,16 +82,18 @@ def collate_rows(items: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, batch_size: int = 64) -> Tensor:
-    """Every row's pooled state (N, D) float32: the masked mean, or `pooler`'s output."""
+def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens: int = 0,
+                batch_size: int = 64) -> Tensor:
+    """Every row's pooled state (N, D) float32 (the masked mean, or `pooler`'s output), or with
+    ``chunk_tokens > 0`` that of every chunk of every row (U, D)."""
     if not rows.has_token_states:
         return pool_states(pooler, rows.states)
-    if pooler is None:
+    if pooler is None and chunk_tokens == 0:
         return rows.states.mean()
     out = []
     for start in range(0, len(rows), batch_size):
         states, mask = pad_token_states([rows.states[i] for i in range(start, min(start + batch_size, len(rows)))])
-        out.append(pool_states(pooler, states, mask))
+        out.append(pool_units(pooler, chunk_tokens, states, mask))
     return torch.cat(out)
 
 
@@ -115,7 +117,8 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     """Train and validation rows with their (cached) sender states: token states when ilcp trains
     an attention pooler, else mean-pooled states."""
     out = {}
-    tokens = cfg.compressor.pooling == "attention" and "ilcp" in cfg.handoff.variants
+    c = cfg.compressor
+    tokens = (c.pooling == "attention" or c.chunk_tokens > 0) and "ilcp" in cfg.handoff.variants
     extract = cached_token_states if tokens else cached_pooled_states
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
         rows, key = load_rows(cfg, split, size)

@@ -104,7 +104,7 @@ class HandoffModule(L.LightningModule):
             answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
             ids = torch.tensor(prompt_ids + answer_ids, device=device)
             sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
-            n_ignored = memory.shape[1] + len(prompt_ids)
+            n_ignored = memory[i].shape[0] + len(prompt_ids)
             labels.append(torch.tensor([-100] * n_ignored + answer_ids, device=device))
         return self._loss_on_tail(sequences, labels), kl
 

@@ -75,7 +75,7 @@ class ReconstructionModule(HandoffModule):
             target = self.target_ids(context)
             ids = torch.tensor(self.prompt_ids + target, device=device)
             sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
-            labels.append(torch.tensor([-100] * (memory.shape[1] + len(self.prompt_ids)) + target, device=device))
+            labels.append(torch.tensor([-100] * (memory[i].shape[0] + len(self.prompt_ids)) + target, device=device))
         return self._loss_on_tail(sequences, labels), kl
 
     def training_step(self, batch, batch_idx):
