@@ -112,6 +112,9 @@ class HandoffConfig:
     num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt")
     projector_hidden: int = _f(512, "width of the projector's trunk")
     finetune_encoder: bool = _f(True, "let the answer loss reach the VAE encoder (False = the spec's frozen encoder)")
+    distill_weight: float = _f(0.0, "ilcp: weight of a distillation term, KL(teacher || receiver) over the answer "
+                                    "tokens, the teacher being the frozen LM reading the context text (0 = none)")
+    distill_temperature: float = _f(1.0, "temperature of both distributions in the distillation term")
     joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
     max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants)")
     batch_size: int = _f(8, "stage-2 batch size")
@@ -131,6 +134,8 @@ class HandoffConfig:
                 raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
         if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("handoff.joint_kl_weight, warmup_steps and weight_decay must be >= 0")
 

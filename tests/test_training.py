@@ -370,3 +370,45 @@ def test_train_py_reports_a_stale_stage_file_as_an_error_not_a_traceback(tmp_pat
     save_file(old, str(marker))  # the unprefixed layout of earlier versions
     assert script.main(args + ["--resume"]) == 2
     assert "older version" in capsys.readouterr().err
+
+
+def test_distillation_adds_the_kl_to_the_text_reading_teacher_in_training_only(tiny_lm):
+    import torch.nn.functional as F
+
+    from ilcp import prompts
+    from ilcp.compressor import BetaVAE
+    from ilcp.config import HandoffConfig
+
+    torch.manual_seed(0)
+    cfg = HandoffConfig(num_memory_tokens=2, projector_hidden=16, distill_weight=0.5)
+    source = make_memory_source("ilcp", cfg, tiny_lm, ILCPEncoder(BetaVAE(tiny_lm.hidden_size, 4, 16)))
+    module = HandoffModule(source, tiny_lm, cfg)
+    batch = {"tokens": torch.randn(2, 3, tiny_lm.hidden_size), "token_mask": torch.ones(2, 3, dtype=torch.long),
+             "context": ["John went home.", "Mary is in the big kitchen now."],
+             "question": ["Where is John?", "Where is Mary?"], "answer": ["home", "kitchen"]}
+    module.eval()
+    plain, _ = module._teacher_forced(batch)
+    module.train()
+    with_teacher, _ = module._teacher_forced(batch)
+    # the teacher by hand: the frozen LM on the cold-read prompt, at each answer token
+    embed, kls = tiny_lm.model.get_input_embeddings(), []
+    memory, _ = source.memory_for_batch(batch, torch.float32)
+    for i, (c, q, a) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
+        t = tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer), add_special_tokens=False).input_ids
+        teacher_ids = tiny_lm.tokenizer(prompts.cold_read_prompt(tiny_lm.tokenizer, c, q), add_special_tokens=False).input_ids
+        student_ids = tiny_lm.tokenizer(prompts.question_prompt(tiny_lm.tokenizer, q), add_special_tokens=False).input_ids
+        with torch.no_grad():
+            teacher = tiny_lm.model(input_ids=torch.tensor([teacher_ids + t])).logits[0, -len(t) - 1:-1]
+            student = tiny_lm.model(inputs_embeds=torch.cat([memory[i], embed(torch.tensor(student_ids + t))])[None]
+                                    ).logits[0, -len(t) - 1:-1]
+        kls.append(F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="sum"))
+    expected = sum(kls) / sum(len(tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer),
+                                                    add_special_tokens=False).input_ids) for a in batch["answer"])
+    torch.testing.assert_close((with_teacher - plain).detach(), 0.5 * expected, rtol=1e-3, atol=1e-4)
+
+
+def test_a_run_with_distillation_trains(tmp_path, tiny_lm):
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp]",
+                             "handoff.distill_weight=1.0", "handoff.max_steps=2", "handoff.val_every_steps=2"])
+    result = train(cfg, lm=tiny_lm)
+    assert result.metrics["variants"]["ilcp"]["steps"] == 2

@@ -96,26 +96,54 @@ class HandoffModule(L.LightningModule):
 
     def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
         memory, kl = self.memory(batch)
+        sequences, labels = self._answer_sequences(memory, batch, self.source.reads_context_text)
+        loss, logits, targets = self._loss_on_tail(sequences, labels)
+        if self.cfg.distill_weight > 0 and self.training and not self.source.reads_context_text:
+            loss = loss + self.cfg.distill_weight * self._distillation(batch, logits, targets)
+        return loss, kl
+
+    def _answer_sequences(self, memory, batch: dict, with_context: bool) -> tuple[list[Tensor], list[Tensor]]:
+        """[memory_i ; prompt ; answer + end token] embeddings and their labels (answer tokens only);
+        ``memory`` None: no memory vectors."""
         embed = self.lm.get_input_embeddings()
         device = embed.weight.device
         sequences, labels = [], []
         for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
-            prompt_ids = self.tokenizer(self.prompt_text(context, question), add_special_tokens=False)["input_ids"]
+            text = (prompts.cold_read_prompt(self.tokenizer, context, question) if with_context
+                    else prompts.question_prompt(self.tokenizer, question))
+            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
-            ids = torch.tensor(prompt_ids + answer_ids, device=device)
-            sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
-            n_ignored = memory[i].shape[0] + len(prompt_ids)
-            labels.append(torch.tensor([-100] * n_ignored + answer_ids, device=device))
-        return self._loss_on_tail(sequences, labels), kl
+            rows = embed(torch.tensor(prompt_ids + answer_ids, device=device))
+            n_memory = 0 if memory is None else memory[i].shape[0]
+            sequences.append(rows if memory is None else torch.cat([memory[i], rows], dim=0))
+            labels.append(torch.tensor([-100] * (n_memory + len(prompt_ids)) + answer_ids, device=device))
+        return sequences, labels
 
-    def _loss_on_tail(self, sequences: list[Tensor], labels: list[Tensor]) -> Tensor:
-        """Mean cross-entropy of the labelled tokens of left-padded sequences.
+    def _distillation(self, batch: dict, logits: Tensor, targets: Tensor) -> Tensor:
+        """KL(teacher || receiver) per answer token, the teacher being the frozen LM reading the
+        context text; both at ``distill_temperature``, scaled by its square."""
+        with torch.no_grad():
+            sequences, labels = self._answer_sequences(None, batch, with_context=True)
+            _, teacher, teacher_targets = self._loss_on_tail(sequences, labels, n_keep=logits.shape[1] + 1)
+        if not torch.equal(teacher_targets, targets):
+            raise RuntimeError("teacher and receiver answer tokens are not aligned")
+        t = self.cfg.distill_temperature
+        known = targets != -100
+        log_student = F.log_softmax(logits[known] / t, dim=-1)
+        log_teacher = F.log_softmax(teacher[known] / t, dim=-1)
+        return F.kl_div(log_student, log_teacher, log_target=True, reduction="batchmean") * t * t
+
+    def _loss_on_tail(self, sequences: list[Tensor], labels: list[Tensor],
+                      n_keep: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean cross-entropy of the labelled tokens of left-padded sequences, with the logits
+        (B, n_keep - 1, V) float32 and targets (B, n_keep - 1) it was computed from.
 
         Left padding puts every labelled token at the right edge, so only the logits of the last
         positions are computed: position t predicts token t + 1."""
         inputs_embeds, attention_mask, position_ids = left_pad(sequences)
         device = inputs_embeds.device
-        n_keep = max(len(lab) - int((lab == -100).sum()) for lab in labels) + 1
+        if n_keep is None:
+            n_keep = max(len(lab) - int((lab == -100).sum()) for lab in labels) + 1
         targets = torch.full((len(labels), n_keep - 1), -100, dtype=torch.long, device=device)
         for i, lab in enumerate(labels):
             tail = lab[-(n_keep - 1):]
@@ -123,7 +151,8 @@ class HandoffModule(L.LightningModule):
         out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
         logits = out.logits[:, -n_keep:-1].float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return loss, logits, targets
 
     def training_step(self, batch, batch_idx):
         loss, kl = self._teacher_forced(batch)

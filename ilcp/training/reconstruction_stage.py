@@ -76,7 +76,7 @@ class ReconstructionModule(HandoffModule):
             ids = torch.tensor(self.prompt_ids + target, device=device)
             sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
             labels.append(torch.tensor([-100] * (memory[i].shape[0] + len(self.prompt_ids)) + target, device=device))
-        return self._loss_on_tail(sequences, labels), kl
+        return self._loss_on_tail(sequences, labels)[0], kl
 
     def training_step(self, batch, batch_idx):
         loss, kl = self._teacher_forced(batch)
