@@ -1,0 +1,75 @@
+"""The package's import graph: no module imports itself back through another, anywhere under ilcp/;
+the training layer sits below evaluation."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ilcp"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """For each module of ilcp, the ilcp modules its import statements load: ``from X import a``
+    names X.a when that is a module, else X (a package's names come from its __init__)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    edges.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_under_ilcp():
+    graph = import_graph()
+    assert {"ilcp.training.pipeline", "ilcp.evaluation.registry", "ilcp.rclc.agent"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_training_does_not_import_evaluation():
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("ilcp.training"):
+            assert not any(e.startswith("ilcp.evaluation") for e in edges), name
