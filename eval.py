@@ -38,6 +38,7 @@ from pathlib import Path
 from ilcp.evaluation import DEFAULT_METHODS, method_groups, method_names
 from ilcp.evaluation.report import markdown_report
 from ilcp.evaluation.run import DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, evaluate
+from ilcp.transport import DTYPES
 
 
 def _csv(text: str) -> list[str]:
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
     parser.add_argument("--tasks", type=_csv, default=[],
-                        help="extra tasks, comma-separated: babi:N or facts (the training task is always included)")
+                        help="extra tasks, comma-separated: babi:N, facts, or facts-heldout (facts whose values training never used); the training task is always included")
     parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
                         help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
                              f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--length-n", type=int, default=3, help="requests per length and method (default 3)")
     parser.add_argument("--facts-count-limit", type=int, default=50,
                         help="questions per number of facts in the facts-count sweep of a facts-trained run (default 50)")
+    parser.add_argument("--payload-dtype", default="float32", choices=DTYPES,
+                        help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
+                             "float32 scale)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     parser.add_argument("--device", default=None, help="where the LM runs (default: cuda if available, else cpu)")
     parser.add_argument("--out", default=None, help="output directory (default results/<run name>)")
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, tasks=args.tasks, methods=args.methods, limit=args.limit,
             latency_n=args.latency_n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             lengths=args.lengths, length_n=args.length_n, facts_count_limit=args.facts_count_limit, seed=args.seed,
-            out=out, device=args.device, progress=not args.no_progress,
+            out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
             log=lambda message: print(f"[eval] {message}", flush=True),
         )
     except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)

@@ -287,6 +287,7 @@ def evaluate(
     device: str | torch.device | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    payload_dtype: str = "float32",
 ) -> dict:
     """Evaluate the methods of a trained run; returns the results dict (and writes it to ``out``).
 
@@ -310,6 +311,8 @@ def evaluate(
         device: where a loaded LM runs (default: CUDA when available, else the CPU).
         progress: show tqdm progress bars.
         log: called with progress lines (eval.py passes ``print``); None is silent.
+        payload_dtype: dtype of the ilcp latent on the wire: float32, float16, bfloat16 or int8
+            (`ILCPHandoff`); wire and tensor bytes are those of the packed payload.
 
     Raises:
         ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
@@ -352,7 +355,7 @@ def evaluate(
     fingerprint = lm.fingerprint
     check_fingerprint(config, fingerprint)
     run = read_export(ckpt)
-    handoff = ILCPHandoff.from_export(run, lm) if run.encoder is not None else None
+    handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype) if run.encoder is not None else None
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
     bound = []
     for m in runnable:
