@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ilcp import compat
+from ilcp.checks import positive_int
 
 __all__ = [
     "DecodeResult",
@@ -228,10 +229,8 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
 def _check_decode_args(prefixes, max_new_tokens, batch_size):
     if isinstance(prefixes, torch.Tensor) or not isinstance(prefixes, Sequence):
         raise ValueError("prefixes must be a list of (L_i, H) tensors")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    positive_int("max_new_tokens", max_new_tokens)
+    positive_int("batch_size", batch_size)
 
 
 def greedy_decode_ids(

@@ -413,3 +413,9 @@ def build_tiny_qwen3(seed: int = 0):
     finally:
         torch.random.set_rng_state(state)
     return model, tokenizer
+
+
+def mean_token_embedding_norm(model: nn.Module) -> float:
+    """Mean L2 norm of the rows of the LM's input-embedding table."""
+    weight = model.get_input_embeddings().weight.detach().float()
+    return float(weight.norm(dim=-1).mean())

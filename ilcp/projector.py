@@ -1,7 +1,7 @@
 """The gated MLP that turns a received latent into K soft-prompt vectors for the receiver's LM.
 
     proj = GatedLatentToMemoryProjector(latent_dim=32, num_memory_tokens=8, model_hidden=576)
-    proj.calibrate_output_norm(mean_token_embedding_norm(model))
+    proj.calibrate_output_norm(mean_token_embedding_norm(model))   # ilcp.lm
     memory = proj(z, dtype=model.dtype)           # (B, 8, 576)
 
 A SiLU trunk feeds a gate head (sigmoid) and a value head (raw); their element-wise product is
@@ -13,12 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-
-
-def mean_token_embedding_norm(model: nn.Module) -> float:
-    """Mean L2 norm of the rows of the LM's input-embedding table."""
-    weight = model.get_input_embeddings().weight.detach().float()
-    return float(weight.norm(dim=-1).mean())
 
 
 class GatedLatentToMemoryProjector(nn.Module):

@@ -57,6 +57,8 @@ from typing import NamedTuple
 
 import datasets
 
+from .checks import positive_int
+
 TASK_COLUMNS = ("id", "task", "context", "question", "answer")
 SPLITS = ("train", "validation", "test")
 BABI_DIR_ENV = "ILCP_BABI_DIR"
@@ -699,8 +701,7 @@ def facts_for_length(target_tokens: int, tokenizer=None, *, n_facts: int = 4) ->
     """``{"n_facts", "n_distractors"}`` whose contexts average about ``target_tokens`` tokens
     (counted by `count_tokens`); ``n_distractors`` is 0 when ``n_facts`` alone reaches the
     target. Pass the result to `make_facts` or `load_task("facts", ...)`."""
-    if isinstance(target_tokens, bool) or not isinstance(target_tokens, int) or target_tokens < 1:
-        raise ValueError(f"target_tokens must be a positive int, got {target_tokens!r}")
+    positive_int("target_tokens", target_tokens)
 
     def mean_tokens(n_distractors: int) -> float:
         rows = make_facts(8, n_facts=n_facts, n_distractors=n_distractors, seed=12345)

@@ -16,6 +16,7 @@ import inspect
 import torch
 
 from ilcp import compat
+from ilcp.lm import mean_token_embedding_norm
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.state import SenderState
@@ -46,7 +47,7 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
         request = hf.check_ids(request, hf.vocab_size(model), "request IDs")
     with MODEL_LOCK:
         weight = hf.embedding_weight(model)
-        target_norm = weight.float().norm(dim=-1).mean()
+        target_norm = torch.tensor(mean_token_embedding_norm(model), device=weight.device)
         cache = compat.clone_cache(state.past_key_values)
         if request is not None:
             outputs = hf.forward_rows(model, hf.embed_ids(model, request[0]), cache, output_hidden_states=True)

@@ -29,9 +29,9 @@ from ..config import HandoffConfig, TrainConfig
 from ..decoding import assemble_prefix, greedy_decode, left_pad
 from ..encoder import ConstantMemory, ILCPEncoder, MemorySource
 from ..io import atomic_save_safetensors, atomic_write_json
-from ..lm import LM
+from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
-from ..projector import GatedLatentToMemoryProjector, mean_token_embedding_norm
+from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from .log import checkpoint_state, last_checkpoint, make_trainer, parameter_counts, read_curve, say
 
