@@ -73,3 +73,13 @@ def test_training_does_not_import_evaluation():
     for name, edges in graph.items():
         if name.startswith("ilcp.training"):
             assert not any(e.startswith("ilcp.evaluation") for e in edges), name
+
+
+def test_only_export_names_state_dict_keys():
+    import re
+
+    # a prefix alone ("pooler."), a formatted key (f"pooler.{k}") or the soft prompt's key
+    prefix = re.compile(r"""["'](compressor|projector|pooler)\.(\{\w+\})?["']|["']soft_prompt["']""")
+    spelled = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+               if p.name != "export.py" and prefix.search(p.read_text())]
+    assert spelled == []
