@@ -253,7 +253,7 @@ def load_babi(task: int | str, split: str, *, variant: str = "en",
     return _to_dataset(rows if limit is None else rows[:limit])
 
 
-def _babi_task_numbers(tasks: int | str | Sequence[int | str]) -> tuple[int, ...]:
+def babi_task_numbers(tasks: int | str | Sequence[int | str]) -> tuple[int, ...]:
     """Sorted task numbers of a mix: "1+2+3", "babi:1+2", "qa1+qa3", [1, "babi:2"] or one task."""
     if isinstance(tasks, str):
         parts = tasks.split("+")
@@ -292,7 +292,7 @@ def load_babi_mix(tasks: str | Sequence[int | str], split: str, *, variant: str 
     _check_limit(limit)
     groups = [load_babi(number, split, variant=variant, data_dir=data_dir,
                         validation_fraction=validation_fraction, seed=seed).to_list()
-              for number in _babi_task_numbers(tasks)]
+              for number in babi_task_numbers(tasks)]
     rows = _interleave(groups)
     return _to_dataset(rows if limit is None else rows[:limit])
 
@@ -313,7 +313,7 @@ def babi_stories(tasks: int | str | Sequence[int | str], variant: str = "en",
     _check_split(split)
     _check_validation_fraction(validation_fraction)
     groups = []
-    for number in _babi_task_numbers(tasks):
+    for number in babi_task_numbers(tasks):
         stories = parse_babi_file(babi_file(number, split, variant=variant, data_dir=data_dir))
         texts = []
         for index in _split_stories(len(stories), split, validation_fraction, seed):
@@ -728,11 +728,11 @@ _BABI_NAME = re.compile(r"babi[-:_](?:qa)?\d+(?:\+(?:babi[-:_]?)?(?:qa)?\d+)*\Z"
 def _builder(name):
     """(canonical name, builder, bAbI task numbers or None) of a task name."""
     if isinstance(name, (list, tuple)):
-        numbers = _babi_task_numbers(name)
+        numbers = babi_task_numbers(name)
     elif isinstance(name, str) and name == "facts":
         return "facts", make_facts, None
     elif isinstance(name, str) and _BABI_NAME.match(name.strip()):
-        numbers = _babi_task_numbers(name.strip())
+        numbers = babi_task_numbers(name.strip())
     else:
         raise ValueError(f"unknown task {name!r}; available: 'facts', 'babi-qaN' or 'babi:N' (N a "
                          "bAbI task number with a file under the bAbI data directory), or a mix "

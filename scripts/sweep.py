@@ -429,6 +429,14 @@ def _resolve_configs(sweep: Sweep) -> None:
     sweep.configs = {name: configs[name] for name in sweep.run_names()}
 
 
+def _shown(path: Path) -> str:
+    """A path relative to the current directory when it lies below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -779,7 +787,7 @@ def plot(summary: dict, path: Path) -> Path:
     from matplotlib import ticker
 
     panels = summary["panels"]
-    cols = min(len(panels), 3)
+    cols = 2 if len(panels) == 4 else min(len(panels), 3)
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.8 * cols, 4.6 * nrows), squeeze=False)
     reference_names = list(dict.fromkeys(r["label"] for r in summary["rows"] if r["kind"] == "reference"))
@@ -808,8 +816,8 @@ def plot(summary: dict, path: Path) -> Path:
                 ax.errorbar([x], [em], yerr=[[em - lo], [hi - em]], fmt="o", color="C0", capsize=3,
                             label=None if ilcp_labelled else "ilcp (sweep points)")
                 ilcp_labelled = True
-                ax.annotate(f"{r['label']} ({r['wire_bytes']:,.0f} B)", (x, em), xytext=(5, 4 + 7 * (shift % 3)),
-                            textcoords="offset points", fontsize=7, color="C0")
+                ax.annotate(r["label"], (x, em), xytext=(6, 3), textcoords="offset points", fontsize=7,
+                            color="C0", rotation=55, ha="left", va="bottom", rotation_mode="anchor")
             else:
                 marker, colour = style[r["label"]]
                 ax.errorbar([x], [em], yerr=[[em - lo], [hi - em]], fmt=marker, color=colour, capsize=3,
@@ -824,7 +832,7 @@ def plot(summary: dict, path: Path) -> Path:
                 mid = (low * high) ** 0.5
                 low, high = mid / 3.2, mid * 3.2
             ax.set_xlim(low, high)
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.12)
         ax.set_xlabel("wire bytes per request (log)")
         ax.set_ylabel("exact match (95% interval)")
         ax.set_title(f"{panel['title']} (n={panel['n']})", fontsize=10)
@@ -865,7 +873,7 @@ def run_sweep(sweep: Sweep, *, resume: bool = False, overwrite: bool = False, lm
     panels, rows = _panels_and_rows(sweep, evals)
     ref = sweep.reference
     summary = {
-        "name": sweep.name, "sweep": str(sweep.path), "base": str(sweep.base), "overrides": list(sweep.overrides),
+        "name": sweep.name, "sweep": str(sweep.path), "base": _shown(sweep.base), "overrides": list(sweep.overrides),
         "extra": list(sweep.extra), "checkpoints": str(sweep.checkpoints), "out": str(sweep.out),
         "description": sweep.description, "eval": asdict(sweep.eval), "panels_tasks": [p["key"] for p in panels
                                                                                        if "facts_count" not in p],

@@ -412,3 +412,16 @@ def test_a_run_with_distillation_trains(tmp_path, tiny_lm):
                              "handoff.distill_weight=1.0", "handoff.max_steps=2", "handoff.val_every_steps=2"])
     result = train(cfg, lm=tiny_lm)
     assert result.metrics["variants"]["ilcp"]["steps"] == 2
+
+
+def test_training_on_a_mix_of_babi_tasks(tmp_path, tiny_lm):
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "data.task=babi:1+2",
+                             "handoff.variants=[prompt_tuned]", "handoff.max_steps=1", "handoff.val_every_steps=1",
+                             "compressor.answer_head_weight=0", "handoff.finetune_encoder=false"])
+    result = train(cfg, lm=tiny_lm)
+    assert result.metrics["train_rows"] == cfg.data.train_size
+    assert read_export(result.run_dir).config["task"] == "babi:1+2"
+    from ilcp.training.data import load_rows
+
+    rows, key = load_rows(cfg, "train", cfg.data.train_size)
+    assert {r["task"] for r in rows} == {"babi-qa1", "babi-qa2"} and "qa2" in str(key)

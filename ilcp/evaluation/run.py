@@ -36,7 +36,7 @@ from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
-from ..tasks import babi_file, count_tokens, facts_for_length, load_babi, make_facts
+from ..tasks import babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, make_facts
 from ..io import atomic_write_text
 from ..metrics import contains_answer, exact_match, token_f1
 from .methods import DEFAULT_METHODS
@@ -260,10 +260,17 @@ def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
     return methods
 
 
+def _training_tasks(train_task: str) -> list[TaskSpec]:
+    """The tasks a run trained on: its one task, or each task of a bAbI mix ("babi:1+2+3")."""
+    if train_task.startswith("babi") and "+" in train_task:
+        return [parse_task(f"babi:{n}") for n in babi_task_numbers(train_task)]
+    return [parse_task(train_task)]
+
+
 def _resolve_tasks(train_task: str, extra: Sequence[str]) -> list[TaskSpec]:
     if isinstance(extra, str):
         extra = [t for t in extra.split(",") if t.strip()]
-    specs = [parse_task(train_task)] + [parse_task(t) for t in extra]
+    specs = _training_tasks(train_task) + [parse_task(t) for t in extra]
     return list({s.name: s for s in specs}.values())
 
 
@@ -334,7 +341,8 @@ def evaluate(
     config = read_config(ckpt)
     chosen = _resolve_methods(methods)
     task_specs = _resolve_tasks(config["task"], tasks)
-    train_task = task_specs[0].name
+    trained_on = {s.name for s in _training_tasks(config["task"])}
+    train_task = "+".join(s.name for s in task_specs if s.name in trained_on)
     facts_settings = _facts_settings(config, ckpt) if any(spec.is_facts for spec in task_specs) else None
     files = config.get("files", {})
     skipped: dict[str, str] = {}
@@ -380,7 +388,7 @@ def evaluate(
 
     for spec in task_specs:
         rows, available, source = _task_rows(spec, limit, facts_settings)
-        seen = spec.name == train_task
+        seen = spec.name in trained_on
         say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
             f"questions, {len(bound)} methods")
         task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
