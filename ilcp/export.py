@@ -20,10 +20,14 @@ unpickles (safetensors only), and `check_fingerprint` refuses an export made for
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -78,21 +82,43 @@ def load_encoder_state(encoder: ILCPEncoder, state: dict[str, Tensor], *, source
             if prefix == "projector":
                 continue
             raise ExportError(f"{source} hold no {prefix}.* tensors")
-        try:
-            part.load_state_dict(tensors)
-        except RuntimeError as e:
-            raise ExportError(f"{source}: the {prefix} tensors do not fit the config: {str(e).splitlines()[0]}") from None
+        _check_tensors(tensors, part.state_dict(), f"{source}: {prefix}")
+        part.load_state_dict(tensors)
+    if "compressor.input_std" in state:
+        if not bool((state["compressor.input_std"] > 0).all()):
+            raise ExportError(f"{source}: compressor.input_std must be > 0 everywhere")
 
 
 def soft_prompt_state(source: ConstantMemory) -> dict[str, Tensor]:
     return {_SOFT_PROMPT: source.soft_prompt.detach().cpu()}
 
 
-def load_soft_prompt(state: dict[str, Tensor], *, source: str = "the weights") -> Tensor:
-    """The (K, H) soft prompt of a `soft_prompt_state`, float32."""
-    if _SOFT_PROMPT not in state or state[_SOFT_PROMPT].dim() != 2:
-        raise ExportError(f"{source} hold no (K, H) {_SOFT_PROMPT} tensor")
-    return state[_SOFT_PROMPT].float()
+def load_soft_prompt(state: dict[str, Tensor], *, source: str = "the weights",
+                     shape: tuple[int, int] | None = None) -> Tensor:
+    """The (K, H) soft prompt of a `soft_prompt_state`, float32; `shape` checks (K, H)."""
+    if set(state) != {_SOFT_PROMPT} or state[_SOFT_PROMPT].dim() != 2:
+        raise ExportError(f"{source}: expected exactly one (K, H) tensor named {_SOFT_PROMPT!r}, found "
+                          f"{sorted(state)}")
+    tensor = state[_SOFT_PROMPT]
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ExportError(f"{source}: {_SOFT_PROMPT} has shape {tuple(tensor.shape)}, the config says {tuple(shape)}")
+    _check_tensors(state, {_SOFT_PROMPT: tensor.float()}, source)
+    return tensor.float()
+
+
+def _check_tensors(found: dict[str, Tensor], expected: dict[str, Tensor], source: str) -> None:
+    """Exactly the expected names, each float32, of the expected shape, and finite."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise ExportError(f"{source}: tensors do not match the config (missing {missing[:4]}, unexpected {extra[:4]})")
+    for name, want in expected.items():
+        got = found[name]
+        if got.dtype != torch.float32:
+            raise ExportError(f"{source}: tensor {name} is {got.dtype}, expected torch.float32")
+        if tuple(got.shape) != tuple(want.shape):
+            raise ExportError(f"{source}: tensor {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if not bool(torch.isfinite(got).all()):
+            raise ExportError(f"{source}: tensor {name} holds NaN or Inf values")
 
 
 def trained_state(source: MemorySource) -> dict[str, Tensor]:
@@ -140,10 +166,12 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict) -> Path
     """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring)."""
     run_dir = cfg.run_dir
     files = {}
+    digests = {}
     for name, source in sources.items():
         fname = MODEL_FILE if name == "ilcp" else f"{name}.safetensors"
         atomic_save_safetensors(trained_state(source), run_dir / fname, {"format": "pt"})
         files[name] = fname
+        digests[fname] = file_digest(run_dir / fname)
     atomic_write_json(run_dir / "metrics.json", metrics)
     d = cfg.data
     config = {
@@ -157,6 +185,7 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict) -> Path
                           "facts_n_distractors": d.facts_n_distractors, "facts_value_split": d.facts_value_split,
                           "seed": d.seed},
         "files": files,
+        "digests": digests,
         "train_config": "train_config.yaml",
         "metrics": "metrics.json",
     }
@@ -175,6 +204,7 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     pooling = config.get("pooling", {})
     config.update(encoder_config(encoder, layers=pooling.get("layers", [-1]), max_length=pooling.get("max_length", 512)))
     config["files"] = {"ilcp": MODEL_FILE}
+    config["digests"] = {MODEL_FILE: file_digest(path / MODEL_FILE)}
     config["package_version"] = __version__
     for key in ("train_config", "metrics"):  # files of a training run, not written here
         config.pop(key, None)
@@ -233,7 +263,21 @@ class ExportedRun:
         return self.config["lm"]["spec"]
 
 
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def read_config(path: str | Path) -> dict:
+    """config.json of an export, checked against the schema this package writes.
+
+    Raises:
+        ExportError: one line naming the file and the problem.
+    """
     path = Path(path)
     cfg_path = path / CONFIG_FILE
     if not path.is_dir():
@@ -242,29 +286,101 @@ def read_config(path: str | Path) -> dict:
         raise ExportError(f"{str(path)!r} holds no config.json: not a finished export (train with python train.py)")
     try:
         config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{cfg_path} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{cfg_path} must hold a JSON object, got {type(config).__name__}")
     if config.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{cfg_path} is not an ilcp export (format {config.get('format')!r})")
     if config.get("format_version") != EXPORT_VERSION:
         raise ExportError(f"{cfg_path} has export format version {config.get('format_version')}, this package reads {EXPORT_VERSION}")
+    _check_schema(config, cfg_path)
     return config
 
 
+def _field(config: dict, dotted: str, kind, where: Path, *, minimum=None, required: bool = True):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if not required:
+                return None
+            raise ExportError(f"{where}: missing {dotted!r}")
+        node = node[part]
+    ok = (isinstance(node, kind) and not isinstance(node, bool)) if kind in (int, float, (int, float)) else isinstance(node, kind)
+    if not ok or (isinstance(node, float) and not math.isfinite(node)):
+        raise ExportError(f"{where}: {dotted!r} must be {getattr(kind, '__name__', 'a number')}, got {node!r}")
+    if minimum is not None and node < minimum:
+        raise ExportError(f"{where}: {dotted!r} must be >= {minimum}, got {node!r}")
+    return node
+
+
+def _check_schema(config: dict, where: Path) -> None:
+    _field(config, "lm", dict, where)
+    _field(config, "lm.spec", str, where)
+    _field(config, "lm.fingerprint", str, where)
+    _field(config, "lm.hidden_size", int, where, minimum=1)
+    files = _field(config, "files", dict, where)
+    for name, fname in files.items():
+        if not isinstance(fname, str) or not fname:
+            raise ExportError(f"{where}: files.{name} must be a file name, got {fname!r}")
+        if Path(fname).is_absolute() or not (where.parent / fname).resolve().is_relative_to(where.parent.resolve()):
+            raise ExportError(f"{where}: files.{name} = {fname!r} points outside the run directory")
+        if name != "ilcp" and name not in BASELINES:
+            raise ExportError(f"{where}: unknown entry files.{name} (this package reads ilcp, {', '.join(BASELINES)})")
+    if files:
+        _field(config, "num_memory_tokens", int, where, minimum=1)
+    digests = _field(config, "digests", dict, where, required=False)
+    if digests is not None and not all(isinstance(v, str) for v in digests.values()):
+        raise ExportError(f"{where}: digests must map file names to sha256 hex strings")
+    if "ilcp" in files:
+        _field(config, "latent_dim", int, where, minimum=1)
+        _field(config, "compressor.input_dim", int, where, minimum=1)
+        _field(config, "compressor.hidden_dim", int, where, minimum=1)
+        _field(config, "compressor.beta", (int, float), where, minimum=0)
+        _field(config, "projector.hidden", int, where, minimum=1)
+        layers = _field(config, "pooling.layers", list, where)
+        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ExportError(f"{where}: 'pooling.layers' must be a non-empty list of ints, got {layers!r}")
+        _field(config, "pooling.max_length", int, where, minimum=1)
+        try:
+            kind = pooling_kind(config)
+        except ExportError as e:
+            raise ExportError(f"{where}: {e}") from None
+        if kind == "attention":
+            _field(config, "pooling.num_queries", int, where, minimum=1)
+        _field(config, "pooling.chunk_tokens", int, where, minimum=0, required=False)
+
+
+def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Tensor]:
+    fpath = path / fname
+    if not fpath.is_file():
+        raise ExportError(f"{fpath} is listed in config.json but missing")
+    if digests is not None and fname in digests and file_digest(fpath) != digests[fname]:
+        raise ExportError(f"{fpath} changed after export: its sha256 differs from the one in config.json")
+    try:
+        return load_file(str(fpath))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ExportError(f"{fpath} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
+
+
 def read_export(path: str | Path) -> ExportedRun:
-    """Read every trained memory source of an export (no LM needed)."""
+    """Read every trained memory source of an export (no LM needed).
+
+    Raises:
+        ExportError: one line naming the file and the problem, for any file that is missing,
+            tampered with, of the wrong schema, or whose tensors do not fit the config.
+    """
     path = Path(path)
     config = read_config(path)
     run = ExportedRun(path=path, config=config)
-    for name, fname in config.get("files", {}).items():
-        fpath = path / fname
-        if not fpath.is_file():
-            raise ExportError(f"{fpath} is listed in config.json but missing")
-        state = load_file(str(fpath))
+    digests = config.get("digests")
+    for name, fname in config["files"].items():
+        state = _read_weights(path, fname, digests)
         if name == "ilcp":
-            run.encoder = build_encoder(config, state, source=str(fpath))
+            run.encoder = build_encoder(config, state, source=str(path / fname))
         else:
-            run.soft_prompts[name] = load_soft_prompt(state, source=str(fpath))
+            shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
+            run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)
     return run
 
 

@@ -88,6 +88,10 @@ class ILCPHandoff:
         kind = pooling_kind(config)
         if kind != encoder.pooling:
             raise ExportError(f"config.json names pooling {kind!r}, but the encoder pools with {encoder.pooling!r}")
+        n_states = getattr(getattr(lm.model, "config", None), "num_hidden_layers", None)
+        if n_states is not None and not all(-(n_states + 1) <= i <= n_states for i in self.layers):
+            raise ExportError(f"config.json pools layers {list(self.layers)}, but this LM has {n_states + 1} hidden "
+                              f"states (indices {-(n_states + 1)}..{n_states})")
         state_dim = lm.hidden_size * len(self.layers)
         if encoder.state_dim != state_dim:
             raise ExportError(

@@ -49,6 +49,7 @@ The sweep file (YAML; relative paths are read from the current directory, then f
 file's folder and each folder above it):
 
     name: facts                       # default folders: results/sweep-NAME, checkpoints/sweep-NAME
+    description: ...                  # optional text, copied into sweep.md
     base: configs/facts.yaml          # the training config every run starts from
     overrides: [data.facts_value_split=train]   # every run; "key=value" strings, a mapping
                                       # {key: value} or one space-separated string
@@ -69,6 +70,7 @@ file's folder and each folder above it):
       overrides: []                   # training overrides of the reference run only
     points:
       - name: single-32               # run name too, unless run: is given
+        description: ...              # optional
         overrides: [compressor.latent_dim=32]
       - name: chunk12-64-int8
         run: chunk12-64               # evaluate the run of another point (same overrides)
@@ -302,7 +304,10 @@ def _reference(raw, where: Path, points: Sequence[Point]) -> Reference | None:
     run = raw.get("run", REFERENCE)
     if not isinstance(run, str) or not _NAME.match(run):
         raise SweepError(f"{where}: reference.run must be a plain name (letters, digits, . _ -), got {run!r}")
-    if run in {p.run for p in points}:
+    if REFERENCE in {p.name for p in points}:
+        raise SweepError(f"{where}: a point is named {REFERENCE!r}, the name of the reference rows' evaluation; "
+                         "rename the point")
+    if required and run in {p.run for p in points}:
         raise SweepError(f"{where}: reference.run {run!r} is also a point's run; give it another name")
     if not required:
         if overrides:
@@ -513,8 +518,10 @@ class _LMs:
 
     def __call__(self, spec: str, dtype: str = "float32", cache_dir: str | None = None):
         if self.given is not None:
-            if self.given.spec != spec:
-                raise SweepError(f"the LM passed in is {self.given.spec!r}, but a run needs {spec!r}")
+            given_dtype = str(self.given.dtype).removeprefix("torch.")
+            if self.given.spec != spec or given_dtype != dtype:
+                raise SweepError(f"the LM passed in is {self.given.spec!r} ({given_dtype}), but a run needs "
+                                 f"{spec!r} ({dtype})")
             return self.given
         key = (spec, dtype, cache_dir)
         if key not in self.loaded:
@@ -536,7 +543,7 @@ def train_runs(sweep: Sweep, plan: dict[str, str], lms: _LMs, log) -> dict[str, 
             done[name] = {"training": "reused", "seconds": 0.0}
             continue
         log(f"run {name}: {'training' if action in ('train', 'retrain') else 'resuming'} "
-            f"{'(replacing a different run) ' if action == 'retrain' else ''}into {cfg.run_dir}")
+            f"{'(replacing what the folder held) ' if action == 'retrain' else ''}into {cfg.run_dir}")
         t0 = time.perf_counter()
         train(cfg, resume=action == "resume", overwrite=action == "retrain",
               lm=lms(cfg.lm.spec, cfg.lm.dtype, cfg.lm.cache_dir))
@@ -721,11 +728,12 @@ def _bytes(x) -> str:
 
 def markdown(summary: dict) -> str:
     s = summary["eval"]
+    extra = f"; --set `{' '.join(summary['extra'])}`" if summary["extra"] else ""
     lines = [
         f"# Payload sweep `{summary['name']}`",
         "",
         f"`python scripts/sweep.py --sweep {summary['sweep']}`: base config `{summary['base']}`, overrides "
-        f"`{' '.join(summary['overrides']) or 'none'}`{'; --set ' + ' '.join(summary['extra']) if summary['extra'] else ''}; "
+        f"`{' '.join(summary['overrides']) or 'none'}`{extra}; "
         f"runs in `{summary['checkpoints']}`. Each eval: tasks {', '.join(summary['panels_tasks']) or '-'}, "
         f"{s['limit'] or 'all'} questions per task; facts counts {s['facts_counts'] or '-'} with "
         f"{s['facts_count_limit']} questions each (facts-trained runs); greedy, {s['max_new_tokens']} new tokens; "
@@ -756,8 +764,9 @@ def markdown(summary: dict) -> str:
         for r in rows:
             ci = r["exact_match_ci"]
             em = _pct(r["exact_match"]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
-            lines.append(f"| {r['label']} | {r['kind'] if r['kind'] == 'reference' else 'ilcp ' + (r['payload_dtype'] or '')} "
-                         f"| {_bytes(r['wire_bytes'])} | {_bytes(r['tensor_bytes'])} | {em} | {_pct(r['contains'])} | {r['n']} |")
+            kind = "reference" if r["kind"] == "reference" else f"ilcp {r['payload_dtype']}"
+            lines.append(f"| {r['label']} | {kind} | {_bytes(r['wire_bytes'])} | {_bytes(r['tensor_bytes'])} | {em} "
+                         f"| {_pct(r['contains'])} | {r['n']} |")
     if any("facts_count" in p for p in summary["panels"]):
         lines += ["", "Panels `@N` come from evaluate()'s facts-count sweep of runs trained on the base facts setting "
                       "(not from runs trained on N facts); it reports ilcp, prompt_tuned and cold_read_tuned only. "
