@@ -333,3 +333,17 @@ def test_a_run_trained_on_a_babi_mix_is_evaluated_on_each_of_its_tasks():
     specs = eval_run._resolve_tasks("babi:1+2", ["babi:6", "babi:2"])
     assert [s.name for s in specs] == ["babi:1", "babi:2", "babi:6"]
     assert [s.name for s in eval_run._training_tasks("babi:2+1")] == ["babi:1", "babi:2"]
+
+
+def test_wilson_interval_does_not_collapse_at_zero_or_all_hits():
+    from ilcp.evaluation.report import wilson_interval
+
+    low, high = wilson_interval([0.0] * 200)
+    assert low == 0.0 and 0.015 < high < 0.025
+    low, high = wilson_interval([1.0] * 50)
+    assert high == 1.0 and 0.9 < low < 0.95
+    low, high = wilson_interval([1.0] * 30 + [0.0] * 70)
+    assert low < 0.3 < high and abs((high - low) - 0.18) < 0.02
+    assert wilson_interval([]) is None
+    with pytest.raises(ValueError):
+        wilson_interval([0.5])

@@ -1,6 +1,7 @@
 """Statistics and the written report of an evaluation: results.json, results.md and the plots.
 
-- `bootstrap_interval`: a seeded percentile bootstrap of a mean (accuracies are means of 0/1).
+- `wilson_interval`: the 95% Wilson score interval of an accuracy (a proportion of 0/1 outcomes);
+- `bootstrap_interval`: a seeded percentile bootstrap of a mean (for quantities that are not 0/1).
 - `latency_summary`: p50 / p99 / mean of per-request seconds.
 - `write_report`: results.json (the dict `evaluate` returns), results.md (a table per task,
   the context-length table, the facts-count table), and the PNG plots (matplotlib, Agg backend).
@@ -18,6 +19,7 @@ from ..io import atomic_write_json, atomic_write_text
 
 __all__ = [
     "bootstrap_interval",
+    "wilson_interval",
     "latency_summary",
     "markdown_report",
     "plot_accuracy_vs_bytes",
@@ -29,6 +31,31 @@ __all__ = [
 PLOT_ACCURACY = "accuracy_vs_payload_bytes.png"
 PLOT_TTFT = "ttft_vs_context_length.png"
 PLOT_FACTS = "accuracy_vs_num_facts.png"
+
+
+def wilson_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Wilson score interval of a proportion (values are 0/1 outcomes).
+
+    Unlike the percentile bootstrap it does not collapse to [0, 0] at 0 hits or [1, 1] at all
+    hits: 0 of 200 gives [0.0, 0.019].
+
+    Returns:
+        (low, high), or None for no values.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return None
+    if not np.isin(x, (0.0, 1.0)).all():
+        raise ValueError("a Wilson interval is for 0/1 outcomes")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2.0)
+    n, p = x.size, float(x.mean())
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def bootstrap_interval(values: Sequence[float], *, resamples: int = 1000, level: float = 0.95,
@@ -122,11 +149,10 @@ def markdown_report(results: dict) -> str:
         f"LM `{results['run']['lm_spec']}` (fingerprint {results['run']['fingerprint']}), trained on "
         f"`{results['run']['train_task']}`. Limit per task: {limit}; latency: the first {s['latency_n']} "
         f"rows of each task, one request at a time; batch size {s['batch_size']}; greedy, "
-        f"{s['max_new_tokens']} new tokens at most; {s['bootstrap_resamples']} bootstrap resamples "
-        f"(seed {s['seed']}).",
+        f"{s['max_new_tokens']} new tokens at most.",
         "",
         "Exact match and contains are on the normalised first line of the answer; intervals are 95% "
-        "percentile-bootstrap intervals over questions. Wire bytes: what crosses the handoff per "
+        "Wilson score intervals over questions. Wire bytes: what crosses the handoff per "
         "request (ILCP: `len(payload.to_bytes())`; text methods: the context's utf-8 bytes; RCLC: the "
         "selected rows in the LM's dtype, `Delivery.nbytes`, no framing). Tensor bytes: the tensors "
         "inside it (ILCP: the latent; RCLC: the rows; text: 0). Receiver "

@@ -8,7 +8,7 @@ the facts task is rebuilt with the run's number of facts, distractors and seed; 
 the ``en`` test file). For each task (the run's training task, test split, plus the ``tasks``
 given) and each method:
 1. accuracy, batched: the method builds the receiver prefixes of every row, one greedy decoder
-   answers them; exact match and contains on the normalised first line, token F1, 95% bootstrap
+   answers them; exact match and contains on the normalised first line, token F1, 95% Wilson
    intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions;
 2. latency, per request and unbatched, on the first ``latency_n`` rows (after one untimed
    warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
@@ -41,7 +41,7 @@ from ..io import atomic_write_text
 from ..metrics import contains_answer, exact_match, token_f1
 from .methods import DEFAULT_METHODS
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
-from .report import bootstrap_interval, latency_summary, write_report
+from .report import latency_summary, wilson_interval, write_report
 
 __all__ = ["DEFAULT_LIMIT", "TaskSpec", "evaluate", "parse_task", "time_request"]
 
@@ -201,7 +201,7 @@ def _latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, p
 
 
 def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
-              resamples: int, seed: int, progress: bool, desc: str) -> tuple[dict, list[str]]:
+              progress: bool, desc: str) -> tuple[dict, list[str]]:
     lm = method.lm
     predictions: list[str] = []
     wire, tensor, positions = [], [], []
@@ -231,9 +231,9 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
     return {
         "n": len(rows),
         "exact_match": mean(em),
-        "exact_match_ci": bootstrap_interval(em, resamples=resamples, seed=seed),
+        "exact_match_ci": wilson_interval(em),
         "contains": mean(contains),
-        "contains_ci": bootstrap_interval(contains, resamples=resamples, seed=seed),
+        "contains_ci": wilson_interval(contains),
         "f1": mean(f1),
         "wire_bytes": mean(wire) if wire else 0.0,
         "tensor_bytes": mean(tensor) if tensor else 0.0,
@@ -287,7 +287,6 @@ def evaluate(
     length_n: int = 3,
     facts_counts: Sequence[int] = DEFAULT_FACTS_COUNTS,
     facts_count_limit: int = 50,
-    bootstrap_resamples: int = 1000,
     seed: int = 0,
     out: str | os.PathLike | None = None,
     lm: LM | None = None,
@@ -312,7 +311,7 @@ def evaluate(
         length_n: requests per length and method in that sweep.
         facts_counts: numbers of facts for the accuracy sweep of a facts-trained run (empty: none).
         facts_count_limit: questions per number of facts in that sweep.
-        bootstrap_resamples, seed: the bootstrap of the accuracy intervals.
+        seed: the seed of the facts contexts in the context-length sweep.
         out: directory for results.json, results.md and the plots; None writes nothing.
         lm: the run's LM already loaded (else loaded from config.json's spec).
         device: where a loaded LM runs (default: CUDA when available, else the CPU).
@@ -332,7 +331,7 @@ def evaluate(
     limit = None if limit in (None, 0) else _check_int("limit", limit, 1)
     for name, value, low in (("latency_n", latency_n, 0), ("batch_size", batch_size, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("length_n", length_n, 1),
-                             ("facts_count_limit", facts_count_limit, 1), ("bootstrap_resamples", bootstrap_resamples, 1),
+                             ("facts_count_limit", facts_count_limit, 1),
                              ("seed", seed, 0)):
         _check_int(name, value, low)
     lengths = [_check_int("lengths", v, 1) for v in lengths]
@@ -379,7 +378,7 @@ def evaluate(
                 "train_task": train_task, "latent_dim": config.get("latent_dim"),
                 "num_memory_tokens": config.get("num_memory_tokens")},
         "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                     "bootstrap_resamples": bootstrap_resamples, "seed": seed, "methods": [m.name for m in chosen],
+                     "intervals": "wilson", "seed": seed, "methods": [m.name for m in chosen],
                      "tasks": [s.name for s in task_specs], "device": str(lm.device)},
         "tasks": {},
         "skipped": skipped,
@@ -397,7 +396,7 @@ def evaluate(
         for m in bound:
             t0 = time.perf_counter()
             metrics, preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                       resamples=bootstrap_resamples, seed=seed, progress=progress,
+                                       progress=progress,
                                        desc=f"{spec.name} {m.name} accuracy")
             t1 = time.perf_counter()
             metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
@@ -417,7 +416,7 @@ def evaluate(
     if config["task"] == "facts" and facts_counts:
         results["facts_count"] = _facts_count_sweep(
             [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
-            batch_size, max_new_tokens, bootstrap_resamples, seed, progress, say)
+            batch_size, max_new_tokens, progress, say)
     else:
         results["facts_count"] = None
     results["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -465,7 +464,7 @@ def _length_sweep(methods: list[HandoffMethod], lm: LM, lengths: Sequence[int], 
 
 
 def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: int, settings: dict,
-                       batch_size: int, max_new_tokens: int, resamples: int, seed: int, progress: bool, say) -> dict | None:
+                       batch_size: int, max_new_tokens: int, progress: bool, say) -> dict | None:
     """Accuracy on facts contexts with 1, 2, 4, ... facts (the run's distractor count); a run trained
     on training values only is asked held-out values, so the sweep measures reading."""
     if not methods:
@@ -477,8 +476,8 @@ def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: i
         rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
                           split="test", **heldout).to_list()
         for m in methods:
-            metrics, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, resamples=resamples,
-                                   seed=seed, progress=progress, desc=f"{count} facts {m.name}")
+            metrics, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                   progress=progress, desc=f"{count} facts {m.name}")
             rows_out.append({"method": m.name, "n_facts": count, "n_distractors": settings["n_distractors"],
                              **{k: metrics[k] for k in ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1")}})
         say(f"  {count} facts: " + ", ".join(
