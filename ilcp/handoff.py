@@ -42,7 +42,7 @@ from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, r
 from .lm import LM, load_lm
 from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
 from .prompts import question_prompt
-from .transport import PayloadError, TransportPayload, pack, unpack
+from .transport import PayloadError, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
 
@@ -57,6 +57,9 @@ class ILCPHandoff:
         device: where the encoder runs; default the LM's device.
         payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
             absmax with a float32 scale; see `ilcp.transport`).
+        auth_key: a key shared by sender and receiver (bytes, >= 16): `to_wire` seals payloads
+            with HMAC-SHA256 and `parse` refuses bytes whose tag does not verify, and unsealed
+            bytes. None: the CRC-checked format only.
 
     Raises:
         ExportError: the config was made for another LM, or the encoder does not fit it.
@@ -73,6 +76,7 @@ class ILCPHandoff:
         *,
         device: str | torch.device | None = None,
         payload_dtype: str | torch.dtype = "float32",
+        auth_key: bytes | None = None,
     ):
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
@@ -104,6 +108,7 @@ class ILCPHandoff:
             )
         # Fails early with a ValueError for an unknown payload dtype.
         self.payload_dtype = pack(torch.zeros(1), lm_fingerprint=fingerprint, dtype=payload_dtype).dtype
+        self.auth_key = None if auth_key is None else check_key(auth_key)
         self.lm = lm
         self.config = copy.deepcopy(config)
         self.device = torch.device(device) if device is not None else lm.device
@@ -122,6 +127,7 @@ class ILCPHandoff:
         device: str | torch.device | None = None,
         payload_dtype: str | torch.dtype = "float32",
         cache_dir: str | os.PathLike | None = None,
+        auth_key: bytes | None = None,
     ) -> ILCPHandoff:
         """Load the ILCP modules of a run directory (see `ilcp.export`) for an LM.
 
@@ -158,15 +164,15 @@ class ILCPHandoff:
             lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
-        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype)
+        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key)
 
     @classmethod
     def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,
-                    payload_dtype: str | torch.dtype = "float32") -> ILCPHandoff:
+                    payload_dtype: str | torch.dtype = "float32", auth_key: bytes | None = None) -> ILCPHandoff:
         """The handoff of an export already read (`ilcp.export.read_export`) for an LM bundle."""
         if run.encoder is None:
             raise ExportError(f"{str(run.path)!r} holds no ILCP weights; train with 'ilcp' among handoff.variants")
-        handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype)
+        handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype, auth_key=auth_key)
         handoff.source = run.path
         return handoff
 
@@ -320,7 +326,11 @@ class ILCPHandoff:
                     f"payload was made by LM {payload.lm_fingerprint}, this receiver runs {self.fingerprint}"
                 )
             return payload
-        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint)
+        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint, key=self.auth_key)
+
+    def to_wire(self, payload: TransportPayload) -> bytes:
+        """A payload's bytes for the wire: sealed with this handoff's key when it has one."""
+        return payload.to_bytes(self.auth_key)
 
     def memory_vectors(self, payload: TransportPayload | bytes) -> Tensor:
         """Received payload -> memory vectors (B, K, H), or (B, N * K, H) with one latent per

@@ -56,6 +56,15 @@ instead of misreading it. A version-2 payload that version 1 could express, and 
 payload with int8 or 3 dims, are refused as non-canonical: every payload has exactly one
 encoding, so ``from_bytes(b).to_bytes() == b`` for every accepted ``b``.
 
+Authenticated payloads. CRC32 catches accidents, not edits: anyone can change a payload and
+recompute it. With a shared key (`seal` / `open_sealed`, or ``key=`` of `to_bytes` and
+`from_bytes`), the payload travels in an envelope: magic ``b"ILCA"``, envelope version (uint8,
+1), the payload bytes above, then HMAC-SHA256(key, everything before it) (32 bytes). A receiver
+holding the key refuses any envelope whose tag does not verify (every deliberate edit made
+without the key), and refuses an unsealed payload; a receiver without a key refuses an envelope
+with "authenticated payload: a shared key is needed". Without a key the format above is
+unchanged.
+
 `from_bytes` raises `PayloadError` (a ValueError) with the reason for anything that is not a
 valid payload: not bytes-like, over the size limit, truncated, bad magic, unknown or
 non-canonical version, unknown dtype code, bad shape, trailing bytes, CRC mismatch, non-finite
@@ -69,6 +78,8 @@ error of up to four flipped bits in payloads of this size, and any burst of up t
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import struct
 import zlib
@@ -254,8 +265,9 @@ class TransportPayload:
             n += self.scale.numel() * self.scale.element_size()
         return n
 
-    def to_bytes(self) -> bytes:
-        """The wire format described in the module docstring.
+    def to_bytes(self, key: bytes | None = None) -> bytes:
+        """The wire format described in the module docstring; with a shared ``key``, sealed in
+        the authenticated envelope (`seal`).
 
         Raises:
             ValueError: the latent (or a scale) has NaN or infinite values, a scale is negative,
@@ -288,7 +300,8 @@ class TransportPayload:
             scales,
             values,
         ])
-        return body + _U32.pack(zlib.crc32(body))
+        wire = body + _U32.pack(zlib.crc32(body))
+        return wire if key is None else seal(wire, key)
 
     @classmethod
     def from_bytes(
@@ -298,6 +311,7 @@ class TransportPayload:
         expected_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
         max_elements: int = DEFAULT_MAX_ELEMENTS,
+        key: bytes | None = None,
     ) -> TransportPayload:
         """Parse and verify wire bytes (bytes, bytearray or memoryview) of either format version.
 
@@ -308,12 +322,24 @@ class TransportPayload:
             device: where the latent (and an int8 payload's scales) are placed.
             max_elements: the most latent values accepted; a header declaring more is refused
                 before anything proportional to its size is allocated or read.
+            key: the shared key of authenticated payloads: the envelope's tag must verify
+                (`open_sealed`), and unsealed bytes are refused. None: only unsealed payloads.
 
         Raises:
             PayloadError: with the reason, for any input that is not a valid payload.
             ValueError: ``max_elements`` is not a positive int.
         """
         positive_int("max_elements", max_elements)
+        if key is not None:
+            try:
+                size = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else 0
+            except (ValueError, TypeError, BufferError) as e:
+                raise PayloadError(f"payload buffer is unreadable: {e}") from None
+            if size > _max_wire_bytes(max_elements) + 64:
+                raise PayloadError(f"payload of {size} bytes exceeds the limit of max_elements={max_elements}")
+            data = open_sealed(data, key)
+        elif is_sealed(data):
+            raise PayloadError("authenticated payload: a shared key is needed to read it")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise PayloadError(f"payload must be bytes-like, got {type(data).__name__}")
         try:
@@ -497,3 +523,59 @@ def unpack(
         return payload.latent.to(device=device, dtype=tdtype, copy=True)
     values = _dequantise(payload.latent, payload.scale, device)
     return values if tdtype is None or tdtype == torch.float32 else values.to(tdtype)
+
+
+SEAL_MAGIC = b"ILCA"
+SEAL_VERSION = 1
+_TAG_BYTES = 32
+
+
+def check_key(key) -> bytes:
+    """`key` as bytes when it can be a shared key (bytes, at least 16 of them); else ValueError."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise ValueError("an authentication key must be bytes of length >= 16 (e.g. secrets.token_bytes(32))")
+    return bytes(key)
+
+
+def seal(wire: bytes, key: bytes) -> bytes:
+    """Wrap payload bytes in the authenticated envelope (see the module docstring)."""
+    body = SEAL_MAGIC + bytes([SEAL_VERSION]) + bytes(wire)
+    return body + hmac.new(check_key(key), body, hashlib.sha256).digest()
+
+
+def is_sealed(data) -> bool:
+    """Whether bytes-like `data` starts like an authenticated envelope (False for anything else)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return False
+    try:
+        return bytes(memoryview(data).cast("B")[:4]) == SEAL_MAGIC
+    except (ValueError, TypeError, BufferError):
+        return False
+
+
+def open_sealed(data, key: bytes) -> bytes:
+    """The payload bytes inside an authenticated envelope, after the tag verifies.
+
+    Raises:
+        PayloadError: not an envelope, an unknown envelope version, or a tag that does not
+            verify (edited, truncated, or sealed with another key).
+        ValueError: a key that is not bytes of length >= 16.
+    """
+    key = check_key(key)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"payload must be bytes-like, got {type(data).__name__}")
+    try:
+        data = bytes(memoryview(data).cast("B"))
+    except (ValueError, TypeError, BufferError) as e:
+        raise PayloadError(f"payload buffer is unreadable: {e}") from None
+    if data[:4] != SEAL_MAGIC:
+        raise PayloadError("payload is not authenticated, but this receiver requires a shared key")
+    if len(data) < 5 + _TAG_BYTES:
+        raise PayloadError(f"authenticated payload truncated: {len(data)} bytes")
+    if data[4] != SEAL_VERSION:
+        raise PayloadError(f"unknown authenticated-payload version {data[4]}")
+    body, tag = data[:-_TAG_BYTES], data[-_TAG_BYTES:]
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), tag):
+        raise PayloadError("authentication failed: the payload was changed or sealed with another key")
+    return body[5:]
+

@@ -1,0 +1,6 @@
+"""Serving engines other than Hugging Face transformers for the ILCP handoff.
+
+`ilcp.engines.vllm`: the receiver decodes through a vLLM engine's ``prompt_embeds`` and the
+sender can read its token states from a vLLM pooling engine. Importing this package never
+imports vLLM; the engine classes raise ImportError with the install command when it is absent.
+"""
