@@ -168,7 +168,7 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     L.seed_everything(cfg.trainer.seed, verbose=False)
     encoder = ILCPEncoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), pooler=pooler,
                           chunk_tokens=c.chunk_tokens)
-    if resume and done.is_file():
+    if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         state = load_file(str(done))
         if not export.has_encoder_layout(state):
             raise ValueError(f"{done} was written by an older version of this package: train the run again "
@@ -192,8 +192,9 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     if pooler is not None:
         pooler.requires_grad_(True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    atomic_save_safetensors(export.encoder_state(encoder), done)
+    # metrics first: the weights file marks the stage done
     atomic_write_json(stage_dir / "metrics.json", metrics)
+    atomic_save_safetensors(export.encoder_state(encoder), done)
     if module.head is not None:
         say(f"stage 1 (compressor): validation answer-head accuracy {metrics.get('val/answer_accuracy', float('nan')):.3f}")
     return encoder, metrics

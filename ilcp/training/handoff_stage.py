@@ -214,7 +214,7 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     done = stage_dir / f"{variant}.safetensors"
     L.seed_everything(cfg.trainer.seed, verbose=False)
     source = make_memory_source(variant, cfg.handoff, lm, encoder)
-    if resume and done.is_file():
+    if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         export.load_trained_state(source, load_file(str(done)), origin=str(done))
         say(f"stage 2 ({variant}): finished earlier, loaded")
         return source, json.loads((stage_dir / "metrics.json").read_text())
@@ -232,8 +232,8 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         "final_val_loss": curve[-1].get("val/loss") if curve else None,
         "curve": curve, "val_decode_size": cfg.data.val_decode_size,
     }
-    atomic_save_safetensors(export.trained_state(source), done)
     atomic_write_json(stage_dir / "metrics.json", metrics)
+    atomic_save_safetensors(export.trained_state(source), done)  # marks the stage done
     return source, metrics
 
 
@@ -261,8 +261,18 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
         trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
     seconds = time.perf_counter() - t0
     curve = read_curve(cfg, name)
-    if ckpt.best_model_path:
-        module.load_state_dict(checkpoint_state(Path(ckpt.best_model_path)), strict=False)
+    best_path = _best_checkpoint(ckpt.best_model_path, stage_dir)
+    if best_path is not None:
+        module.load_state_dict(checkpoint_state(best_path), strict=False)
     sign = 1.0 if mode == "max" else -1.0
     best = max(curve, key=lambda r: sign * r.get(monitor, -sign * float("inf"))) if curve else {}
     return int(trainer.global_step), seconds, curve, best
+
+
+def _best_checkpoint(recorded: str, stage_dir: Path) -> Path | None:
+    """The best checkpoint of this stage: the callback's, looked up by name in this stage's
+    folder (a run directory moved since its checkpoints were written keeps the old paths)."""
+    if not recorded:
+        return None
+    path = stage_dir / "checkpoints" / Path(recorded).name
+    return path if path.is_file() else None

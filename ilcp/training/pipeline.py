@@ -14,13 +14,17 @@ finished stages and continues the unfinished one.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from .. import export
 from ..config import TrainConfig, save_config
+from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
 from .data import HandoffDataModule, prepare_data
@@ -40,13 +44,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     """Run both stages for every configured variant and export to ``cfg.run_dir``."""
     cfg.validate()
     run_dir = cfg.run_dir
-    if run_dir.exists() and any(run_dir.iterdir()) and not (resume or overwrite):
+    started = _started(run_dir)
+    if started and not (resume or overwrite):
         raise FileExistsError(
             f"{run_dir} already holds a run: pass --resume to continue it, --overwrite to start it "
             f"again, or choose another run_name=..."
         )
-    if overwrite and not resume and run_dir.exists():
-        shutil.rmtree(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()) and not _looks_like_run(run_dir):
+        raise FileExistsError(f"{run_dir} exists and is not a run directory of this package: choose another "
+                              "run_name or out_dir (nothing was deleted)")
+    if resume and started:
+        _check_resumed_settings(cfg, run_dir / "train_config.yaml")
+        for tmp in run_dir.rglob(".*.tmp"):  # atomic writes cut short by a kill
+            tmp.unlink(missing_ok=True)
+    elif run_dir.exists() and (overwrite or not started):
+        shutil.rmtree(run_dir)  # a run to redo, or a start that failed before any stage
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "train_config.yaml")
     t_start = time.perf_counter()
@@ -72,3 +84,52 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     export.export_run(cfg, lm, sources, metrics)
     say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
+
+
+# settings a resumed run may change: they do not change what it trains
+_RESUMABLE = {"trainer.progress", "lm.cache_dir"}
+# step budgets a resumed run may raise (it trains further), never lower
+_EXTENDABLE = {"handoff.max_steps", "reconstruct.steps"}
+
+
+def _started(run_dir: Path) -> bool:
+    """Whether a run has begun a stage (a failed start writes only its resolved config)."""
+    return (run_dir / "stages").is_dir() or (run_dir / export.CONFIG_FILE).is_file()
+
+
+def _looks_like_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in ("train_config.yaml", "stages", export.CONFIG_FILE, "logs"))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> None:
+    """A resumed run must train what it started to: ValueError naming any changed setting, but
+    for a raised step budget, which is recorded in ``resumes.json`` beside the config."""
+    if not saved_path.is_file():
+        return
+    try:
+        saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    except yaml.YAMLError as e:
+        raise ValueError(f"{saved_path} is not readable YAML ({e}): start the run again with --overwrite") from None
+    now = _flatten(cfg.to_dict())
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in _RESUMABLE)
+    raised = [k for k in changed if k in _EXTENDABLE and isinstance(saved.get(k), int) and now[k] > saved[k]]
+    changed = [k for k in changed if k not in raised]
+    if raised:
+        log = saved_path.parent / "resumes.json"
+        history = json.loads(log.read_text()) if log.is_file() else []
+        history.append({k: [saved[k], now[k]] for k in raised})
+        atomic_write_json(log, history)
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
+        raise ValueError(f"--resume with changed settings ({details}): resume with the run's own settings, or "
+                         "start again with --overwrite or another run_name")

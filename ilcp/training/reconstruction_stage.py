@@ -100,7 +100,7 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
     done = stage_dir / f"{STAGE}.safetensors"
     L.seed_everything(cfg.trainer.seed, verbose=False)
     attach_projector(encoder, cfg.handoff, lm)
-    if resume and done.is_file():
+    if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         export.load_encoder_state(encoder, load_file(str(done)), source=str(done))
         say("reconstruction: finished earlier, loaded")
         return json.loads((stage_dir / "metrics.json").read_text())
@@ -115,8 +115,8 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
     metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx),
                "best_step": best.get("step"), "best_val_loss": best.get("val/loss"),
                "first_val_loss": curve[0].get("val/loss") if curve else None, "curve": curve}
-    atomic_save_safetensors(export.encoder_state(encoder), done)
     atomic_write_json(stage_dir / "metrics.json", metrics)
+    atomic_save_safetensors(export.encoder_state(encoder), done)  # marks the stage done
     say(f"reconstruction: validation loss {metrics['first_val_loss']} at step {curve[0]['step'] if curve else '-'}, "
         f"best {metrics['best_val_loss']} at step {metrics['best_step']}")
     return metrics

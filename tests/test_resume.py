@@ -1,0 +1,77 @@
+"""Resume anywhere on the tiny config: a stage is done with all its files or redone; no temporary
+files left; changed settings refused (a raised step budget recorded); a failed start blocks
+nothing; --overwrite deletes only a run directory."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ilcp import training
+from ilcp.config import load_config
+from ilcp.export import read_export
+from ilcp.training import train
+from ilcp.training.handoff_stage import _best_checkpoint
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def _base(tmp_path):
+    return [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp,prompt_tuned]"]
+
+
+def test_a_stage_whose_metrics_are_missing_is_redone_and_temporary_files_are_cleared(tmp_path, tiny_lm):
+    first = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    stage = first.run_dir / "stages" / "prompt_tuned"
+    (stage / "metrics.json").unlink()  # killed between the two writes of an older layout
+    litter = stage / ".prompt_tuned.safetensors.0123456789ab.tmp"
+    litter.write_bytes(b"half a file")
+    resumed = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True)
+    assert (stage / "metrics.json").is_file() and not litter.exists()
+    assert resumed.metrics["variants"]["prompt_tuned"]["steps"] == 4
+    assert read_export(resumed.run_dir).soft_prompts["prompt_tuned"].shape[0] == 2
+
+
+def test_resume_with_changed_settings_is_refused_and_a_raised_budget_recorded(tmp_path, tiny_lm):
+    train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    with pytest.raises(ValueError, match="compressor.latent_dim"):
+        train(load_config(TINY, _base(tmp_path) + ["compressor.latent_dim=4"]), lm=tiny_lm, resume=True)
+    with pytest.raises(ValueError, match="handoff.max_steps: 4 -> 2"):
+        train(load_config(TINY, _base(tmp_path) + ["handoff.max_steps=2"]), lm=tiny_lm, resume=True)
+    run_dir = tmp_path / "tiny"
+    shutil.rmtree(run_dir / "stages" / "prompt_tuned")
+    resumed = train(load_config(TINY, _base(tmp_path) + ["handoff.max_steps=6"]), lm=tiny_lm, resume=True)
+    assert json.loads((run_dir / "resumes.json").read_text()) == [{"handoff.max_steps": [4, 6]}]
+    assert resumed.metrics["variants"]["prompt_tuned"]["steps"] == 6
+
+
+def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, tiny_lm, monkeypatch):
+    def broken(cfg, lm):
+        raise ValueError("task 'babi:1' has no train rows")
+
+    monkeypatch.setattr(training.pipeline, "prepare_data", broken)
+    with pytest.raises(ValueError, match="no train rows"):
+        train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    monkeypatch.undo()
+    result = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)  # neither --resume nor --overwrite
+    assert (result.run_dir / "config.json").is_file()
+
+
+def test_overwrite_deletes_only_a_run_directory(tmp_path, tiny_lm):
+    precious = tmp_path / "tiny"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("not a run")
+    with pytest.raises(FileExistsError, match="not a run directory"):
+        train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "not a run"
+
+
+def test_the_best_checkpoint_is_looked_up_in_this_stage_folder(tmp_path):
+    stage = tmp_path / "moved" / "stages" / "ilcp"
+    (stage / "checkpoints").mkdir(parents=True)
+    (stage / "checkpoints" / "best-step=4.ckpt").write_bytes(b"")
+    old = "/somewhere/else/stages/ilcp/checkpoints/best-step=4.ckpt"
+    assert _best_checkpoint(old, stage) == stage / "checkpoints" / "best-step=4.ckpt"
+    assert _best_checkpoint("", stage) is None
+    assert _best_checkpoint("/x/best-step=9.ckpt", stage) is None
