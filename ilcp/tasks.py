@@ -7,7 +7,7 @@ Two sources:
   (``ID text`` lines; ``ID question<TAB>answer<TAB>supporting ids`` for questions; a story restarts
   when the ID goes back to 1). One row per question; its context is the story's statements before
   it. The validation split is carved from the train file by whole stories. Files are looked up
-  under ``data_dir`` (default: the repository's ``data/babi``, or ``$ILCP_BABI_DIR``).
+  under ``data_dir`` (default: the package's ``ilcp/data/babi``, or ``$ILCP_BABI_DIR``).
   Several tasks mix with ``"babi:1+2+3"`` (or a list such as ``["babi:1", "babi:2"]``): the
   rows of each task as `load_babi` gives them, interleaved in proportion to the tasks' sizes
   (`load_babi_mix`); each row's ``task`` names its own task. `babi_stories` gives the distinct
@@ -62,7 +62,7 @@ from .checks import positive_int
 TASK_COLUMNS = ("id", "task", "context", "question", "answer")
 SPLITS = ("train", "validation", "test")
 BABI_DIR_ENV = "ILCP_BABI_DIR"
-DEFAULT_BABI_DIR = Path(__file__).resolve().parent.parent / "data" / "babi"
+DEFAULT_BABI_DIR = Path(__file__).resolve().parent / "data" / "babi"
 # Bump when make_facts would produce different rows for the same arguments.
 FACTS_VERSION = 1
 # Bump when make_facts with a value_split, or the value vocabularies and their partition, change.
@@ -152,8 +152,8 @@ def parse_babi_file(path: str | os.PathLike) -> tuple:
 
 
 def babi_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The bAbI root: ``data_dir`` if given, else ``$ILCP_BABI_DIR``, else the repository's
-    ``data/babi``. It holds one folder per variant (``en``, ``en-10k``)."""
+    """The bAbI root: ``data_dir`` if given, else ``$ILCP_BABI_DIR``, else the package's
+    ``ilcp/data/babi`` (package data). It holds one folder per variant (``en``, ``en-10k``)."""
     root = Path(data_dir or os.environ.get(BABI_DIR_ENV) or DEFAULT_BABI_DIR)
     if not root.is_dir():
         raise FileNotFoundError(

@@ -2,6 +2,7 @@
 task with its held-out value split and unlabelled contexts, the registry."""
 
 import hashlib
+from pathlib import Path
 import json
 import re
 import shutil
@@ -564,3 +565,20 @@ def test_babi_mix_config_keys_and_errors():
         load_task(["facts", "babi:1"], "train")
     with pytest.raises(FileNotFoundError):
         load_task("babi:1+4", "test")
+
+
+def test_babi_data_ships_as_package_data():
+    import fnmatch
+    import tomllib
+
+    import ilcp
+    from ilcp.tasks import DEFAULT_BABI_DIR
+
+    package = Path(ilcp.__file__).parent
+    assert DEFAULT_BABI_DIR.is_relative_to(package) and DEFAULT_BABI_DIR.is_dir()
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["ilcp"]
+    files = [p.relative_to(package).as_posix() for p in (package / "data").rglob("*") if p.is_file()]
+    unshipped = [f for f in files if not any(fnmatch.fnmatchcase(f, pat) and f.count("/") == pat.count("/")
+                                             for pat in patterns)]
+    assert files and unshipped == []
