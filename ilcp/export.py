@@ -8,6 +8,7 @@
       cold_read_tuned.safetensors  soft_prompt (K, H)
       train_config.yaml            the resolved training config
       metrics.json                 validation curves and final figures per variant
+      README.md                    a short model card: base LM, fingerprint, task, metrics, loading
 
 This module is the only place that names state-dict keys: `encoder_state` / `load_encoder_state`
 for an `ILCPEncoder`, `soft_prompt_state` / `load_soft_prompt` for a `ConstantMemory`, and
@@ -34,7 +35,7 @@ from torch import Tensor
 from . import __version__
 from .compressor import BetaVAE
 from .encoder import POOLING_KINDS, ConstantMemory, ILCPEncoder, MemorySource
-from .io import atomic_save_safetensors, atomic_write_json
+from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .pooling import AttentionPooler
 from .projector import GatedLatentToMemoryProjector
 
@@ -43,6 +44,7 @@ EXPORT_VERSION = 1
 BASELINES = ("prompt_tuned", "cold_read_tuned")
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CARD_FILE = "README.md"
 
 # the state-dict prefixes of the exported files
 _PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler"}
@@ -191,8 +193,39 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict) -> Path
     }
     if "ilcp" in sources:
         config.update(encoder_config(sources["ilcp"], layers=d.pool_layers, max_length=d.max_length))
+    atomic_write_text(run_dir / CARD_FILE, model_card(config, metrics))
     atomic_write_json(run_dir / CONFIG_FILE, config)
     return run_dir
+
+
+def model_card(config: dict, metrics: dict | None = None) -> str:
+    """A short README for an export: what it is, for which LM, how well it did, how to load it."""
+    lm = config["lm"]
+    lines = [f"# ilcp export: {config.get('task', 'unknown task')}", "",
+             f"Trained with ilcp {config.get('package_version')} for the frozen LM `{lm['spec']}` "
+             f"(fingerprint `{lm['fingerprint']}`, {lm.get('dtype', 'float32')}); another LM is refused.", ""]
+    if "latent_dim" in config:
+        pooling = config["pooling"]
+        per = (f"one per {pooling['chunk_tokens']} context tokens" if pooling.get("chunk_tokens")
+               else "one per context")
+        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {pooling['kind']} pooling of layers "
+                  f"{pooling['layers']}, latents of {config['latent_dim']} floats ({per}), each read as "
+                  f"{config['num_memory_tokens']} memory vectors."]
+    for name in BASELINES:
+        if name in config.get("files", {}):
+            lines.append(f"- {name} ({config['files'][name]}): {config['num_memory_tokens']} learned vectors.")
+    variants = (metrics or {}).get("variants", {})
+    if variants:
+        lines += ["", "| variant | best validation exact match | at step | of steps |", "|---|---|---|---|"]
+        for name, m in sorted(variants.items()):
+            best = m.get("best_val_exact_match")
+            lines.append(f"| {name} | {'-' if best is None else f'{100 * best:.1f}%'} | {m.get('best_step')} | "
+                         f"{m.get('steps')} |")
+    lines += ["", "```python", "from ilcp.handoff import ILCPHandoff", "",
+              'handoff = ILCPHandoff.from_pretrained("THIS_FOLDER")   # loads the LM named above',
+              'wire = handoff.to_wire(handoff.send("...the context..."))',
+              'print(handoff.receive(wire, "...the question..."))', "```", ""]
+    return "\n".join(lines)
 
 
 def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
@@ -208,6 +241,7 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     config["package_version"] = __version__
     for key in ("train_config", "metrics"):  # files of a training run, not written here
         config.pop(key, None)
+    atomic_write_text(path / CARD_FILE, model_card(config))
     atomic_write_json(path / CONFIG_FILE, config)
     return path
 

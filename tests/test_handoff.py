@@ -145,7 +145,7 @@ def test_from_pretrained_with_another_lm_is_refused(run_dir, tiny_lm):
 
 def test_save_pretrained_round_trip_writes_only_the_trained_modules(handoff, tiny_lm, tmp_path):
     out = handoff.save_pretrained(tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     state = load_file(str(out / "model.safetensors"))
     assert state and all(k.startswith(("compressor.", "projector.", "pooler.")) for k in state)
     embed_shape = tuple(tiny_lm.model.get_input_embeddings().weight.shape)

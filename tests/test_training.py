@@ -425,3 +425,13 @@ def test_training_on_a_mix_of_babi_tasks(tmp_path, tiny_lm):
 
     rows, key = load_rows(cfg, "train", cfg.data.train_size)
     assert {r["task"] for r in rows} == {"babi-qa1", "babi-qa2"} and "qa2" in str(key)
+
+
+def test_every_export_carries_a_model_card(tiny_run, tiny_lm, tmp_path):
+    from ilcp.handoff import ILCPHandoff
+
+    _, result, _, _ = tiny_run
+    card = (result.run_dir / "README.md").read_text()
+    assert tiny_lm.fingerprint in card and "ILCPHandoff.from_pretrained" in card and "| ilcp |" in card
+    saved = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm).save_pretrained(tmp_path / "saved")
+    assert tiny_lm.fingerprint in (saved / "README.md").read_text()
