@@ -29,84 +29,12 @@ r4, r16 and b16; cacheback r4:prefix and r4:tuned). An RCLC row costs about 1.5 
 about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-from ilcp.evaluation import DEFAULT_METHODS, method_groups, method_names
-from ilcp.evaluation.report import markdown_report
-from ilcp.evaluation.run import DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, evaluate
-from ilcp.transport import DTYPES
+from ilcp.cli import build_eval_parser as build_parser
+from ilcp.cli import eval_main as main
 
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(part) for part in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
-    parser.add_argument("--tasks", type=_csv, default=[],
-                        help="extra tasks, comma-separated: babi:N, facts, or facts-heldout (facts whose values training never used); the training task is always included")
-    parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
-                        help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
-                             f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
-                             f"[:prefix|:tuned]; groups: {', '.join(method_groups())})")
-    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
-                        help=f"questions per task, the first of the test split (default {DEFAULT_LIMIT}; 0 = all)")
-    parser.add_argument("--latency-n", type=int, default=DEFAULT_LATENCY_N,
-                        help=f"requests timed one at a time per method and task (default {DEFAULT_LATENCY_N}; 0 = none)")
-    parser.add_argument("--batch-size", type=int, default=8, help="greedy-decoding batch size for accuracy (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="answer token budget (default 8)")
-    parser.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
-                        help="context lengths in tokens of the time-to-first-token sweep (default "
-                             f"{','.join(map(str, DEFAULT_LENGTHS))}; empty string = no sweep)")
-    parser.add_argument("--length-n", type=int, default=3, help="requests per length and method (default 3)")
-    parser.add_argument("--facts-count-limit", type=int, default=50,
-                        help="questions per number of facts in the facts-count sweep of a facts-trained run (default 50)")
-    parser.add_argument("--payload-dtype", default="float32", choices=DTYPES,
-                        help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
-                             "float32 scale)")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
-    parser.add_argument("--device", default=None, help="where the LM runs (default: cuda if available, else cpu)")
-    parser.add_argument("--out", default=None, help="output directory (default results/<run name>)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    ckpt = Path(args.ckpt)
-    if not ckpt.is_dir():
-        parser.error(f"--ckpt {args.ckpt!r} is not a directory: pass a run folder written by train.py")
-    out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
-    print(f"[eval] {ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "
-          f"requests per method; results in {out}", flush=True)
-    try:
-        results = evaluate(
-            ckpt, tasks=args.tasks, methods=args.methods, limit=args.limit,
-            latency_n=args.latency_n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-            lengths=args.lengths, length_n=args.length_n, facts_count_limit=args.facts_count_limit, seed=args.seed,
-            out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
-            log=lambda message: print(f"[eval] {message}", flush=True),
-        )
-    except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)
-        parser.error(str(e))
-    print()
-    print(markdown_report(results))
-    print(f"[eval] wrote {', '.join(['results.json', 'results.md', 'predictions.jsonl'] + results['plots'])} to {out}")
-    return 0
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -435,3 +435,21 @@ def test_every_export_carries_a_model_card(tiny_run, tiny_lm, tmp_path):
     assert tiny_lm.fingerprint in card and "ILCPHandoff.from_pretrained" in card and "| ilcp |" in card
     saved = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm).save_pretrained(tmp_path / "saved")
     assert tiny_lm.fingerprint in (saved / "README.md").read_text()
+
+
+def test_command_lines_train_and_evaluate_through_the_package(tmp_path):
+    import subprocess
+    import sys
+
+    env_args = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[prompt_tuned]",
+                "handoff.max_steps=1", "handoff.val_every_steps=1"]
+    done = subprocess.run([sys.executable, "-m", "ilcp", "train", "--config", str(TINY), *env_args],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "[ilcp] exported to" in done.stderr and "GPU available" not in done.stderr + done.stdout
+    done = subprocess.run([sys.executable, "-m", "ilcp", "eval", "--ckpt", str(tmp_path / "tiny"), "--limit", "2",
+                           "--latency-n", "0", "--lengths", "", "--no-progress", "--out", str(tmp_path / "ev")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ev" / "results.json").is_file()
+    assert subprocess.run([sys.executable, "-m", "ilcp"], capture_output=True).returncode == 2

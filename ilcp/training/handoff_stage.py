@@ -256,7 +256,7 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
         # The frozen LM is in eval mode on purpose (see HandoffModule.train).
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
         trainer.fit(module, datamodule=data, ckpt_path=last)
-    trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
+    trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt", weights_only=False)  # resumable
     if trainer.global_step % every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
     seconds = time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -12,7 +13,8 @@ from torch import Tensor, nn
 
 
 def say(msg: str) -> None:
-    print(f"[ilcp] {msg}", flush=True)
+    """A progress line on the ``ilcp.training`` logger (the command lines print it as ``[ilcp] ...``)."""
+    logging.getLogger("ilcp.training").info(msg)
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int]:

@@ -1,0 +1,8 @@
+"""``python -m ilcp train ...`` / ``python -m ilcp eval ...`` (see `ilcp.cli`)."""
+
+import sys
+
+from ilcp.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Command lines: ``ilcp-train`` / ``python -m ilcp train`` and ``ilcp-eval`` / ``python -m ilcp
+eval`` (``train.py`` and ``eval.py`` at the repository root call the same functions).
+
+Progress goes through `logging` (logger ``ilcp``, one ``[ilcp]`` line per event); Lightning's
+start-up banners and tips are silenced here, in the command lines, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from .config import load_config
+from .evaluation import DEFAULT_METHODS, method_groups, method_names
+from .evaluation.report import markdown_report
+from .evaluation.run import DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, evaluate
+from .transport import DTYPES
+
+TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
+
+    ilcp-train                                        # embedded SmolLM2, bAbI task 1
+    ilcp-train --config configs/tiny.yaml             # tiny random LM, seconds
+    ilcp-train handoff.max_steps=50 run_name=short    # key=value overrides
+    ilcp-train --resume                               # continue an interrupted run
+
+Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME."""
+EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
+
+    ilcp-eval --ckpt checkpoints/default                          # about 8 min on 2 CPU cores
+    ilcp-eval --ckpt checkpoints/default --tasks babi:2           # plus a held-out task, ~+6 min
+    ilcp-eval --ckpt checkpoints/tiny --limit 8 --latency-n 2     # seconds, tiny test LM
+    ilcp-eval --ckpt checkpoints/default --limit 0                # every test question
+    ilcp-eval --ckpt checkpoints/default --methods default,rclc-quick   # + 3 RCLC rows, ~+7 min a task
+    ilcp-eval --ckpt checkpoints/default --methods default,rclc   # + the 12 RCLC rows, ~+28 min a task
+    ilcp-eval --ckpt checkpoints/default --methods cold_read,rclc:qsnap:b8,rclc:chunkkv:r8:tuned
+
+The run's training task (test split; config.json's task and task_settings) is always
+evaluated; --tasks adds others, reported separately and marked held out. By default 200
+questions per task (95% intervals of about +-6 percentage points at 25% accuracy; --limit 0 for
+the whole 1,000-question bAbI test file) and 20 timed requests per method: with SmolLM2 on 2 CPU
+cores, about 6 minutes per task plus 1.5 for the context-length sweep, so the training task and
+one held-out task fit in 15. Writes results.json, results.md, predictions.jsonl and PNG plots
+into --out (default results/RUN) and prints the tables.
+
+RCLC rows (`ilcp.evaluation.rclc_methods`) are named rclc:SELECTOR:rN (relative budget, ceil(T/N)
+of the sender's T rows) or rclc:SELECTOR:bN (at most N rows), SELECTOR one of cacheback, qsnap,
+chunkkv. The receiver is ilcp.rclc.HFReceiver, as a user would call it: with
+placement="in_prompt" the rows sit where the context text would (r1 gives the cold read's
+prefix), with :prefix (placement="prefix", the RCLC spec's placement) before the question
+prompt, and with :tuned after cold_read_tuned's K vectors. Groups: default (no_context,
+prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not given),
+rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap and chunkkv at
+r4, r16 and b16; cacheback r4:prefix and r4:tuned). An RCLC row costs about 1.5 cold_read rows
+(the sender's prefill and selection run per question):
+about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread."""
+
+
+def setup_logging() -> None:
+    """``[ilcp]`` lines on stderr for the package's logger; Lightning's banners and tips only
+    when they are warnings."""
+    logger = logging.getLogger("ilcp")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[ilcp] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Lightning's own use of a torch API it deprecated: nothing a user of this package can change.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    from .training import train
+
+    parser = argparse.ArgumentParser(prog="ilcp-train", description=TRAIN_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (see configs/)")
+    parser.add_argument("--resume", action="store_true", help="continue the run from its last checkpoints")
+    parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. handoff.max_steps=50")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    setup_logging()
+    try:
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as e:  # an existing run, changed settings on resume, an empty split
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_eval_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ilcp-eval", description=EVAL_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
+    parser.add_argument("--tasks", type=_csv, default=[],
+                        help="extra tasks, comma-separated: babi:N, facts, or facts-heldout (facts whose values training never used); the training task is always included")
+    parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
+                        help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
+                             f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
+                             f"[:prefix|:tuned]; groups: {', '.join(method_groups())})")
+    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                        help=f"questions per task, the first of the test split (default {DEFAULT_LIMIT}; 0 = all)")
+    parser.add_argument("--latency-n", type=int, default=DEFAULT_LATENCY_N,
+                        help=f"requests timed one at a time per method and task (default {DEFAULT_LATENCY_N}; 0 = none)")
+    parser.add_argument("--batch-size", type=int, default=8, help="greedy-decoding batch size for accuracy (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="answer token budget (default 8)")
+    parser.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
+                        help="context lengths in tokens of the time-to-first-token sweep (default "
+                             f"{','.join(map(str, DEFAULT_LENGTHS))}; empty string = no sweep)")
+    parser.add_argument("--length-n", type=int, default=3, help="requests per length and method (default 3)")
+    parser.add_argument("--facts-count-limit", type=int, default=50,
+                        help="questions per number of facts in the facts-count sweep of a facts-trained run (default 50)")
+    parser.add_argument("--payload-dtype", default="float32", choices=DTYPES,
+                        help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
+                             "float32 scale)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the facts contexts in the context-length sweep (default 0)")
+    parser.add_argument("--device", default=None, help="where the LM runs (default: cuda if available, else cpu)")
+    parser.add_argument("--out", default=None, help="output directory (default results/<run name>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    parser = build_eval_parser()
+    args = parser.parse_args(argv)
+    ckpt = Path(args.ckpt)
+    if not ckpt.is_dir():
+        parser.error(f"--ckpt {args.ckpt!r} is not a directory: pass a run folder written by train.py")
+    out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
+    setup_logging()
+    log = logging.getLogger("ilcp.eval").info
+    log(f"{ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "
+        f"requests per method; results in {out}")
+    try:
+        results = evaluate(
+            ckpt, tasks=args.tasks, methods=args.methods, limit=args.limit,
+            latency_n=args.latency_n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            lengths=args.lengths, length_n=args.length_n, facts_count_limit=args.facts_count_limit, seed=args.seed,
+            out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
+            log=log,
+        )
+    except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)
+        parser.error(str(e))
+    print()
+    print(markdown_report(results))
+    log(f"wrote {', '.join(['results.json', 'results.md', 'predictions.jsonl'] + results['plots'])} to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ilcp train ...`` or ``python -m ilcp eval ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": train_main, "eval": eval_main}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m ilcp {train,eval} [arguments]  (python -m ilcp train --help)", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
