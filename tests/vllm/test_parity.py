@@ -2,7 +2,7 @@
 
 import torch
 
-from ilcp.decoding import assemble_prefix, greedy_decode_ids
+from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
 from ilcp.engines.vllm import VLLMReceiver, VLLMSender
 from ilcp.pooling import sender_token_states
 from ilcp.prompts import question_prompt
@@ -25,11 +25,14 @@ OPEN_QUESTIONS = [
 ]
 
 
-def _random_prefixes(lm, questions, seed, scale):
-    """Prefixes with random memory rows (various scales), to reach varied tokens on a random LM."""
+def _random_prefixes(lm, questions, seed):
+    """Question prompts followed by a random row: the random tiny LM echoes the token nearest its
+    last input, so these reach different tokens where a prompt alone gives newlines."""
     g = torch.Generator().manual_seed(seed)
-    rows = [torch.randn(3, lm.hidden_size, generator=g) * scale * (1 + i) for i in range(len(questions))]
-    return [assemble_prefix(lm.model, lm.tokenizer, [r, question_prompt(lm.tokenizer, q)]) for r, q in zip(rows, questions)]
+    scale = float(lm.model.get_input_embeddings().weight.norm(dim=-1).mean()) / lm.hidden_size ** 0.5
+    return [assemble_prefix(lm.model, lm.tokenizer, [question_prompt(lm.tokenizer, q),
+                                                     torch.randn(1, lm.hidden_size, generator=g) * scale])
+            for q in questions]
 
 
 def test_tiny_receiver_answers_as_the_hf_decoder(tiny_handoff, tiny_engine):
@@ -45,7 +48,7 @@ def test_tiny_receiver_answers_as_the_hf_decoder(tiny_handoff, tiny_engine):
 def test_tiny_token_ids_equal_hf_greedy_on_varied_prefixes(tiny_handoff, tiny_engine):
     lm = tiny_handoff.lm
     receiver = VLLMReceiver(tiny_handoff, tiny_engine)
-    prefixes = _random_prefixes(lm, QUESTIONS + QUESTIONS, seed=1, scale=1.0)
+    prefixes = _random_prefixes(lm, QUESTIONS + QUESTIONS, seed=1)
     hf = greedy_decode_ids(lm.model, lm.tokenizer, prefixes, max_new_tokens=12)
     ours = receiver.decode_ids(prefixes, max_new_tokens=12)
     assert ours == hf
@@ -66,13 +69,22 @@ def test_smollm2_receiver_answers_as_the_hf_decoder(smollm2_handoff, smollm2_eng
     assert any(hf), "SmolLM2 should answer something"
 
 
-def test_smollm2_text_prompts_reach_the_end_token_as_hf_does(smollm2_handoff, smollm2_engine):
+def test_smollm2_chat_prompts_stop_as_hf_does(smollm2_handoff, smollm2_engine):
     lm = smollm2_handoff.lm
     receiver = VLLMReceiver(smollm2_handoff, smollm2_engine)
-    prefixes = [assemble_prefix(lm.model, lm.tokenizer, [question_prompt(lm.tokenizer, q)]) for q in OPEN_QUESTIONS]
+    chats = ["List three fruits, one per line.", "Write a short poem about the sea.", "What is the capital of France?"]
+    texts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+             for c in chats]
+    texts += [question_prompt(lm.tokenizer, q) for q in OPEN_QUESTIONS]
+    prefixes = [assemble_prefix(lm.model, lm.tokenizer, [t]) for t in texts]
     hf = greedy_decode_ids(lm.model, lm.tokenizer, prefixes, max_new_tokens=32)
     assert receiver.decode_ids(prefixes, max_new_tokens=32) == hf
     assert any(len(row) < 32 for row in hf), "some answers should end with the end token"
+    full = receiver.decode(prefixes, max_new_tokens=32)
+    first_lines = receiver.decode(prefixes, max_new_tokens=32, stop_at_newline=True)
+    assert first_lines == greedy_decode(lm.model, lm.tokenizer, prefixes, max_new_tokens=32, stop_at_newline=True)
+    assert any("\n" in a for a in full), "some answer should run over several lines"
+    assert first_lines != full and all("\n" not in a for a in first_lines)
 
 
 def test_receive_many_is_one_generate_call(tiny_handoff, tiny_engine, monkeypatch):
