@@ -148,6 +148,15 @@ def eval_main(argv: list[str] | None = None) -> int:
     if not ckpt.is_dir():
         parser.error(f"--ckpt {args.ckpt!r} is not a directory: pass a run folder written by train.py")
     out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {str(out)!r} is a file: pass a folder for the results")
+    if args.device is not None:
+        import torch
+
+        try:
+            torch.device(args.device)
+        except (RuntimeError, ValueError):
+            parser.error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)")
     setup_logging()
     log = logging.getLogger("ilcp.eval").info
     log(f"{ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "

@@ -389,7 +389,15 @@ class ILCPHandoff:
         questions = [question] if single else list(question)
         if not questions or any(not isinstance(q, str) for q in questions):
             raise ValueError("question must be a string or a non-empty list of strings")
+        if any(not q.strip() for q in questions):
+            raise ValueError("a question must not be empty")
+        positive_int("max_new_tokens", max_new_tokens)
         prefixes = self.prefixes(payload, questions)
+        limit = getattr(getattr(self.lm.model, "config", None), "max_position_embeddings", None)
+        longest = max(p.shape[0] for p in prefixes)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(f"the receiver's prompt ({longest} positions) plus {max_new_tokens} new tokens exceeds "
+                             f"this LM's context of {limit} positions: shorten the question")
         answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
                                 batch_size=batch_size, stop_at_newline=stop_at_newline)
         return answers[0] if single else answers

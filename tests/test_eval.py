@@ -347,3 +347,14 @@ def test_wilson_interval_does_not_collapse_at_zero_or_all_hits():
     assert wilson_interval([]) is None
     with pytest.raises(ValueError):
         wilson_interval([0.5])
+
+
+def test_eval_refuses_a_file_as_out_and_a_bad_device_before_evaluating(run_dir, tmp_path, capsys):
+    target = tmp_path / "results.txt"
+    target.write_text("x")
+    for args in (["--out", str(target)], ["--device", "banana"]):
+        with pytest.raises(SystemExit) as info:
+            eval_script.main(["--ckpt", str(run_dir), *args])
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "not a device" in err

@@ -263,3 +263,18 @@ def test_unknown_pooling_kind_is_refused(handoff):
     config["pooling"]["kind"] = "max"
     with pytest.raises(ExportError, match="pooling kind"):
         ILCPHandoff(handoff.lm, handoff.encoder, config)
+
+
+def test_empty_or_overlong_questions_are_value_errors(handoff):
+    wire = handoff.send(CONTEXTS[0]).to_bytes()
+    with pytest.raises(ValueError, match="empty"):
+        handoff.receive(wire, "  ")
+    with pytest.raises(ValueError, match="positions"):
+        handoff.receive(wire, "why " * (handoff.lm.model.config.max_position_embeddings + 1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        handoff.receive(wire, QUESTIONS[0], max_new_tokens=0)
+    for bad in (123, None, {"a": 1}, ["ok", 5]):
+        with pytest.raises(ValueError):
+            handoff.send(bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        handoff.send(CONTEXTS[0], batch_size=-1)
