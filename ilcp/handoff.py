@@ -41,7 +41,7 @@ from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
 from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
-from .prompts import question_prompt
+from .prompts import question_prompt, reconstruction_prompt
 from .transport import PayloadError, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
@@ -401,6 +401,21 @@ class ILCPHandoff:
         answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
                                 batch_size=batch_size, stop_at_newline=stop_at_newline)
         return answers[0] if single else answers
+
+    def reconstruct(self, payload: TransportPayload | bytes, max_new_tokens: int = 64, *,
+                    batch_size: int = 8) -> list[str]:
+        """What the receiver says the handed-over contexts were: greedy decoding of
+        ``[memory ; reconstruction instruction]``, one string per context of the payload.
+
+        Meaningful for runs trained with a reconstruction stage (``reconstruct.steps > 0``); it
+        shows what the latent carries, word for word.
+        """
+        positive_int("max_new_tokens", max_new_tokens)
+        memory = self.memory_vectors(payload)
+        tok = self.lm.tokenizer
+        instruction = reconstruction_prompt(tok)
+        prefixes = [assemble_prefix(self.lm.model, tok, [memory[i], instruction]) for i in range(memory.shape[0])]
+        return greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
     def __repr__(self) -> str:
         return (f"ILCPHandoff(lm={self.lm.spec!r}, fingerprint={self.fingerprint}, latent_dim={self.latent_dim}, "

@@ -110,3 +110,10 @@ def test_the_answer_stage_starts_from_the_reconstruction_stage_projector(reconst
 def test_reconstruction_without_ilcp_is_a_config_error():
     with pytest.raises(ValueError, match="reconstruct.steps"):
         load_config(TINY_CONFIG, ["reconstruct.steps=2", "handoff.variants=[prompt_tuned]"])
+
+
+def test_a_handoff_says_back_what_its_latent_carries(reconstruct_run, tiny_lm):
+    _, result = reconstruct_run
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    said = handoff.reconstruct(handoff.send(CONTEXTS[:2]), max_new_tokens=3)
+    assert len(said) == 2 and all(isinstance(s, str) for s in said)
