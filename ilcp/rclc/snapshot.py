@@ -6,7 +6,11 @@ history, queued handoffs or sampling settings):
     input_embeds   [positions, hidden], the model's dtype: the exact input rows
     token_ids      int64 [positions], -1 for continuous rows (received or latent)
     metadata       format, version, fingerprint (`ilcp.lm.lm_fingerprint`), dtype, hidden_size,
-                   positions, inherited_positions, latent_steps, model identity
+                   positions, inherited_positions, latent_steps, model identity, digest
+
+The digest (version 2) is the sha256 of every other metadata string and of both tensors' raw
+bytes, so a flipped bit anywhere in the file is refused; version-1 files, written before it,
+still load (structural checks only).
 
 Files are written atomically (temporary file, then rename) and read without unpickling: the
 header is parsed and checked before any tensor is loaded, so truncated, corrupted or foreign
@@ -15,6 +19,7 @@ files raise `SnapshotError` with the reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -25,7 +30,8 @@ import torch
 from ilcp.io import atomic_save_safetensors
 
 FORMAT = "ilcp.rclc.agent-snapshot"
-VERSION = "1"
+VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
 TENSOR_NAMES = ("input_embeds", "token_ids")
 _MAX_HEADER = 1 << 20
 
@@ -73,8 +79,18 @@ def write_snapshot(path, input_embeds: torch.Tensor, token_ids: torch.Tensor, *,
         "latent_steps": str(int(latent_steps)),
         "model": json.dumps(identity or {}, sort_keys=True, default=str),
     }
-    tensors = {"input_embeds": input_embeds.detach().cpu(), "token_ids": token_ids.detach().cpu().to(torch.long)}
+    tensors = {"input_embeds": input_embeds.detach().cpu().contiguous(),
+               "token_ids": token_ids.detach().cpu().to(torch.long).contiguous()}
+    metadata["digest"] = content_digest(metadata, tensors["input_embeds"], tensors["token_ids"])
     atomic_save_safetensors(tensors, Path(path), metadata=metadata)
+
+
+def content_digest(metadata: dict, input_embeds: torch.Tensor, token_ids: torch.Tensor) -> str:
+    """sha256 over the metadata (but its digest) and the raw bytes of both tensors."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "digest"}, sort_keys=True).encode())
+    for t in (input_embeds, token_ids):
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _int(metadata: dict, key: str) -> int:
@@ -128,8 +144,9 @@ def read_snapshot(path) -> Snapshot:
     metadata = header.get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise SnapshotError(f"{str(path)!r} is not an agent snapshot (format {metadata.get('format')!r})")
-    if metadata.get("version") != VERSION:
-        raise SnapshotError(f"snapshot version {metadata.get('version')!r} is not supported (expected {VERSION!r})")
+    if metadata.get("version") not in READABLE_VERSIONS:
+        raise SnapshotError(f"snapshot version {metadata.get('version')!r} is not supported "
+                            f"(this package reads {', '.join(READABLE_VERSIONS)})")
     names = sorted(k for k in header if k != "__metadata__")
     if names != sorted(TENSOR_NAMES):
         raise SnapshotError(f"a snapshot holds exactly {TENSOR_NAMES}, found {names}")
@@ -140,6 +157,9 @@ def read_snapshot(path) -> Snapshot:
     except Exception as e:  # the parser's own error types vary between releases
         raise SnapshotError(f"corrupted snapshot: {e}") from None
     rows, ids = tensors["input_embeds"], tensors["token_ids"]
+    if metadata.get("version") != "1":
+        if metadata.get("digest") != content_digest(metadata, rows, ids):
+            raise SnapshotError("corrupted snapshot: its content does not match its digest")
     positions = _int(metadata, "positions")
     hidden = _int(metadata, "hidden_size")
     inherited = _int(metadata, "inherited_positions")

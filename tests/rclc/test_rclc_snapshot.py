@@ -104,7 +104,11 @@ def test_truncated_corrupted_and_foreign_files_are_refused(model, tokenizer, con
             "dtype": "float32", "hidden_size": "64", "positions": "3", "inherited_positions": "0", "latent_steps": "0"}
 
     def written(tensors, metadata, match):
+        """A file whose digest matches its (inconsistent) content: the structural checks must catch it."""
         bad = tmp_path / "written.safetensors"
+        if "input_embeds" in tensors and "token_ids" in tensors:
+            metadata = {**metadata, "digest": snapshot.content_digest(metadata, tensors["input_embeds"],
+                                                                      tensors["token_ids"])}
         ilcp_io.atomic_save_safetensors(tensors, bad, metadata=metadata)
         refused(bad.read_bytes(), match)
 
@@ -204,3 +208,42 @@ def test_header_metadata_is_plain_json(continued, tmp_path):
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8: 8 + length])
     assert set(header["__metadata__"]) >= {"fingerprint", "inherited_positions", "latent_steps", "dtype"}
+
+
+def test_a_flipped_bit_anywhere_in_a_snapshot_is_refused_with_the_state_intact(model, tokenizer, continued, tmp_path):
+    import random
+
+    _, agent = continued
+    path = tmp_path / "agent.safetensors"
+    asyncio.run(agent.save(path))
+    data = path.read_bytes()
+    kept = agent.sender_state()
+    rng = random.Random(0)
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    for trial in range(300):
+        # half the flips inside the tensor bytes (continuous rows included), half anywhere
+        low = header_end if trial % 2 == 0 else 0
+        i = rng.randrange(low, len(data))
+        bad = bytearray(data)
+        bad[i] ^= 1 << rng.randrange(8)
+        (tmp_path / "bad.safetensors").write_bytes(bytes(bad))
+        with pytest.raises(rclc.SnapshotError):
+            asyncio.run(agent.load(tmp_path / "bad.safetensors"))
+        assert agent.sender_state() is kept
+    asyncio.run(agent.load(path))
+
+
+def test_version_one_snapshots_without_a_digest_still_load(model, tokenizer, continued, tmp_path):
+    from safetensors import safe_open
+
+    _, agent = continued
+    path = tmp_path / "agent.safetensors"
+    asyncio.run(agent.save(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta.pop("digest")
+    meta["version"] = "1"
+    old = tmp_path / "v1.safetensors"
+    ilcp_io.atomic_save_safetensors(tensors, old, metadata=meta)
+    asyncio.run(agent.load(old))
