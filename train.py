@@ -1,11 +1,7 @@
-"""Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
+"""Train a run: ``python train.py [--config FILE] [--resume] [--overwrite] [key=value ...]``.
 
-    python train.py                                        # embedded SmolLM2, bAbI task 1
-    python train.py --config configs/tiny.yaml             # tiny random LM, seconds
-    python train.py handoff.max_steps=50 run_name=short    # key=value overrides
-    python train.py --resume                               # continue an interrupted run
-
-Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME.
+The same as ``ilcp-train`` and ``python -m ilcp train``; ``python train.py --help`` lists the
+options (`ilcp.cli`).
 """
 
 import sys

@@ -58,12 +58,24 @@ r4, r16 and b16; cacheback r4:prefix and r4:tuned). An RCLC row costs about 1.5 
 about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread."""
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (tests and notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging() -> None:
     """``[ilcp]`` lines on stderr for the package's logger; Lightning's banners and tips only
     when they are warnings."""
     logger = logging.getLogger("ilcp")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("[ilcp] %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -309,3 +309,13 @@ def save_config(cfg: TrainConfig, path: Path) -> None:
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=True))
 
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {"section.key": value}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -253,11 +253,33 @@ class ILCPHandoff:
             mask = inputs["attention_mask"][chunk, :width]
             with torch.no_grad():
                 states = sender_token_states(self.lm.model, inputs["input_ids"][chunk, :width], mask, self.layers)
-                z = self.encoder.latent(states.to(self.device), mask.to(self.device))
-                real = self.encoder.latent_mask(mask.to(self.device))
-            for row, i in enumerate(chunk):
-                out[i] = z[row][real[row]] if self.encoder.chunked else z[row]
+            for i, z in zip(chunk, self.encode_states(states, mask)):
+                out[i] = z
         return out
+
+    @torch.no_grad()
+    def encode_states(self, states: Tensor, attention_mask: Tensor) -> list[Tensor]:
+        """Right-padded sender states (B, S, D) and their mask (B, S) -> each row's latent, (Z,)
+        or (N_i, Z) with one latent per chunk (the encoder's real chunks only)."""
+        mask = attention_mask.to(self.device)
+        z = self.encoder.latent(states.to(self.device), mask)
+        if not self.encoder.chunked:
+            return list(z)
+        real = self.encoder.latent_mask(mask)
+        return [z[row][real[row]] for row in range(z.shape[0])]
+
+    def pack_latents(self, latents: list[Tensor], single: bool) -> TransportPayload:
+        """One payload for the latents of `latents` (one context when `single`, else stacked).
+
+        Raises:
+            ValueError: contexts that carry different numbers of latents.
+        """
+        if single:
+            return self._pack(latents[0])
+        if len({tuple(t.shape) for t in latents}) > 1:
+            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
+                             f"{self.encoder.chunk_tokens} tokens): send them with send_each")
+        return self._pack(torch.stack(latents))
 
     def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
         """Encode and pack a context.
@@ -277,13 +299,7 @@ class ILCPHandoff:
                 of chunks in one payload.
         """
         single = isinstance(context, str)
-        z = self.latents([context] if single else context, batch_size=batch_size)
-        if single:
-            return self._pack(z[0])
-        if len({tuple(t.shape) for t in z}) > 1:
-            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
-                             f"{self.encoder.chunk_tokens} tokens): send them with send_each")
-        return self._pack(torch.stack(z))
+        return self.pack_latents(self.latents([context] if single else context, batch_size=batch_size), single)
 
     def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
         """One payload per context (batched sender forwards), whatever their lengths."""

@@ -101,7 +101,7 @@ from pathlib import Path
 
 import yaml
 
-from ilcp.config import TrainConfig, load_config
+from ilcp.config import TrainConfig, flatten, load_config
 from ilcp.io import atomic_write_json, atomic_write_text
 from ilcp.transport import DTYPES
 
@@ -442,18 +442,8 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _diff(old: dict, new: dict, limit: int = 4) -> str:
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     keys = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
     parts = [f"{k}: {a.get(k, '<absent>')!r} there, {b.get(k, '<absent>')!r} here" for k in keys[:limit]]
     if len(keys) > limit:

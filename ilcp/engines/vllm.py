@@ -52,7 +52,7 @@ from ..checks import positive_int
 from ..decoding import _answer_text, _has_line, stop_token_ids
 from ..handoff import ILCPHandoff
 from ..lm import LM, vocab_hash
-from ..transport import TransportPayload, pack
+from ..transport import TransportPayload
 
 __all__ = [
     "INSTALL_HINT",
@@ -513,7 +513,6 @@ class VLLMSender:
         tensor per context, (Z,), or (N_i, Z) for a run with one latent per chunk."""
         batch_size = positive_int("batch_size", batch_size)
         states = self.token_states(contexts)
-        encoder = self.handoff.encoder
         lengths = [s.shape[0] for s in states]
         order = sorted(range(len(states)), key=lambda i: lengths[i])
         out: list[Tensor] = [None] * len(states)  # type: ignore[list-item]
@@ -525,30 +524,19 @@ class VLLMSender:
             for row, i in enumerate(chunk):
                 padded[row, :lengths[i]] = states[i]
                 mask[row, :lengths[i]] = 1
-            with torch.no_grad():
-                z = encoder.latent(padded, mask)
-                real = encoder.latent_mask(mask)
-            for row, i in enumerate(chunk):
-                out[i] = z[row][real[row]] if encoder.chunked else z[row]
+            for i, z in zip(chunk, self.handoff.encode_states(padded, mask)):
+                out[i] = z
         return out
-
-    def _pack(self, z: Tensor) -> TransportPayload:
-        return pack(z, lm_fingerprint=self.handoff.fingerprint, dtype=self.handoff.payload_dtype)
 
     def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
         """`ILCPHandoff.send` with the states from the pooling engine."""
         single = isinstance(context, str)
-        z = self.latents([context] if single else context, batch_size=batch_size)
-        if single:
-            return self._pack(z[0])
-        if len({tuple(t.shape) for t in z}) > 1:
-            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
-                             f"{self.handoff.encoder.chunk_tokens} tokens): send them with send_each")
-        return self._pack(torch.stack(z))
+        return self.handoff.pack_latents(self.latents([context] if single else context, batch_size=batch_size),
+                                         single)
 
     def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
         """One payload per context, whatever their lengths."""
-        return [self._pack(z) for z in self.latents(contexts, batch_size=batch_size)]
+        return [self.handoff.pack_latents([z], True) for z in self.latents(contexts, batch_size=batch_size)]
 
     def __repr__(self) -> str:
         return f"VLLMSender(handoff={self.handoff!r}, max_model_len={self.max_model_len})"

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from .. import export
-from ..config import TrainConfig, save_config
+from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
@@ -101,26 +101,16 @@ def _looks_like_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in ("train_config.yaml", "stages", export.CONFIG_FILE, "logs"))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> None:
     """A resumed run must train what it started to: ValueError naming any changed setting, but
     for a raised step budget, which is recorded in ``resumes.json`` beside the config."""
     if not saved_path.is_file():
         return
     try:
-        saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+        saved = flatten(yaml.safe_load(saved_path.read_text()) or {})
     except yaml.YAMLError as e:
         raise ValueError(f"{saved_path} is not readable YAML ({e}): start the run again with --overwrite") from None
-    now = _flatten(cfg.to_dict())
+    now = flatten(cfg.to_dict())
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in _RESUMABLE)
     raised = [k for k in changed if k in _EXTENDABLE and isinstance(saved.get(k), int) and now[k] > saved[k]]
     changed = [k for k in changed if k not in raised]
