@@ -117,3 +117,18 @@ def test_a_handoff_says_back_what_its_latent_carries(reconstruct_run, tiny_lm):
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
     said = handoff.reconstruct(handoff.send(CONTEXTS[:2]), max_new_tokens=3)
     assert len(said) == 2 and all(isinstance(s, str) for s in said)
+
+
+def test_the_reconstruction_script_prints_contexts_and_what_was_said(reconstruct_run, capsys):
+    import importlib.util
+
+    _, result = reconstruct_run
+    spec = importlib.util.spec_from_file_location("reconstruct_script", Path(__file__).resolve().parent.parent
+                                                  / "scripts" / "reconstruct.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--ckpt", str(result.run_dir), "--stage", "reconstruct", "-n", "2", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("context: ") == 2 and out.count("said: ") == 2
+    with pytest.raises(SystemExit):
+        script.main(["--ckpt", str(result.run_dir), "--stage", "nothing"])
