@@ -1,7 +1,6 @@
 """eval.py and ilcp.evaluation on a tiny trained run: outputs, metrics, skipped methods, errors,
 the method registry, and the bootstrap."""
 
-import ast
 import importlib.util
 import json
 import shutil
@@ -19,7 +18,6 @@ from ilcp.handoff import ILCPHandoff
 from ilcp.tasks import make_facts
 
 REPO = Path(__file__).resolve().parent.parent
-EVALUATION = REPO / "ilcp" / "evaluation"
 
 
 def _load_eval_script():
@@ -202,52 +200,6 @@ def test_bootstrap_interval_is_seeded_and_contains_the_mean():
     assert bootstrap_interval([1.0, 1.0]) == (1.0, 1.0)
     summary = latency_summary([0.1, 0.2, 0.3, 10.0])
     assert summary["n"] == 4 and summary["p50"] == pytest.approx(0.25) and summary["p99"] > 9.0
-
-
-def _evaluation_imports() -> dict[str, set[str]]:
-    """For each module of ilcp/evaluation, the ilcp.evaluation modules its import statements name."""
-    modules = {f"ilcp.evaluation.{p.stem}" if p.stem != "__init__" else "ilcp.evaluation": p
-               for p in EVALUATION.glob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)] if node.level else []
-                module = ".".join(base + ([node.module] if node.module else []))
-                targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            edges |= {t for t in targets if t in modules and t != name}
-        graph[name] = edges
-    return graph
-
-
-def test_evaluation_modules_import_without_a_cycle():
-    graph = _evaluation_imports()
-    assert {"ilcp.evaluation.registry", "ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"} <= set(graph)
-    state: dict[str, int] = {}
-
-    def visit(node, path):
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [nxt])}"
-            if nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    # The registry is the bottom of the package; each family imports it and nothing else here.
-    assert graph["ilcp.evaluation.registry"] == set()
-    for family in ("ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"):
-        assert graph[family] == {"ilcp.evaluation.registry"}, family
-    assert {"ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"} <= graph["ilcp.evaluation"]
 
 
 def test_ilcp_method_sends_the_handoff_payload_and_counts_its_bytes(run_dir, tiny_lm):

@@ -83,3 +83,12 @@ def test_only_export_names_state_dict_keys():
     spelled = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if p.name != "export.py" and prefix.search(p.read_text())]
     assert spelled == []
+
+
+def test_evaluation_method_families_sit_on_the_registry():
+    graph = {name: {e for e in edges if e.startswith("ilcp.evaluation")}
+             for name, edges in import_graph().items() if name.startswith("ilcp.evaluation")}
+    assert graph["ilcp.evaluation.registry"] == set()
+    for family in ("ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"):
+        assert graph[family] == {"ilcp.evaluation.registry"}, family
+    assert {"ilcp.evaluation.methods", "ilcp.evaluation.rclc_methods"} <= graph["ilcp.evaluation"]
