@@ -164,7 +164,9 @@ def identity(model: nn.Module) -> dict:
 
 
 def check_same_checkpoint(sender_model, sender_tokenizer, receiver_model, receiver_tokenizer) -> None:
-    """Raise ValueError on a known architecture, checkpoint name/revision or vocabulary mismatch."""
+    """Raise ValueError on a known architecture, checkpoint name/revision or vocabulary mismatch,
+    or on weights that differ (two model objects: their weight hashes, as snapshots check them;
+    each model's hash is computed once and cached)."""
     if sender_model is receiver_model and sender_tokenizer is receiver_tokenizer:
         return
     a, b = identity(sender_model), identity(receiver_model)
@@ -181,6 +183,13 @@ def check_same_checkpoint(sender_model, sender_tokenizer, receiver_model, receiv
     if sender_tokenizer is not None and receiver_tokenizer is not None and sender_tokenizer is not receiver_tokenizer:
         if tokenizer_vocab_hash(sender_tokenizer) != tokenizer_vocab_hash(receiver_tokenizer):
             raise ValueError("sender and receiver tokenizers have different vocabularies; use the same tokenizer at both ends")
+    if sender_model is not receiver_model:
+        from ilcp.lm import forward_config_hash, weight_hash
+
+        if (weight_hash(sender_model), forward_config_hash(sender_model)) != (
+                weight_hash(receiver_model), forward_config_hash(receiver_model)):
+            raise ValueError("sender and receiver models have different weights or forward configuration (their "
+                             "LM fingerprints differ); use the same checkpoint at both ends")
 
 
 # --------------------------------------------------------------------------------------------

@@ -355,3 +355,19 @@ def test_mixed_messages_are_checked_against_the_receivers_table_lookup(sender, m
         rclc.transfer_sync(sender, inbox.append, REQUEST, representation="token_ids+continuous")
     rclc.transfer_sync(sender, inbox.append, REQUEST)  # embeddings carry the rows themselves
     assert len(inbox) == 2
+
+
+def test_transfer_refuses_a_sender_whose_weights_differ():
+    import torch
+
+    from ilcp.lm import build_tiny_qwen3
+    from ilcp.rclc import hf
+
+    torch.manual_seed(0)
+    a, tok = build_tiny_qwen3()
+    b, _ = build_tiny_qwen3()
+    with torch.no_grad():
+        b.get_input_embeddings().weight[0, 0] += 1.0
+    hf.check_same_checkpoint(a, tok, a, tok)
+    with pytest.raises(ValueError, match="different weights"):
+        hf.check_same_checkpoint(a, tok, b, tok)
