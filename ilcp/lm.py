@@ -386,8 +386,12 @@ def build_tiny_tokenizer():
     return fast
 
 
-def build_tiny_qwen3(seed: int = 0):
-    """A random 2-layer Qwen3 (hidden 64) and its offline tokenizer; identical for a given seed."""
+def build_tiny_qwen3(seed: int = 0, *, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                     head_dim: int = 16):
+    """A random 2-layer Qwen3 (hidden 64) and its offline tokenizer; identical for a given seed.
+
+    The head layout is adjustable for engines that need wider heads (vLLM's CPU attention wants
+    head_dim >= 32); the defaults are the ``tiny-qwen3`` test LM."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
@@ -396,9 +400,9 @@ def build_tiny_qwen3(seed: int = 0):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,

@@ -60,24 +60,9 @@ def vllm_folder(tmp_path_factory):
 
 def build_tiny_lm(directory: Path, seed: int = 0):
     """The tiny Qwen3 with 32-wide heads, saved to `directory` and loaded back as an LM bundle."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from ilcp.lm import build_tiny_qwen3, load_lm
 
-    from ilcp.lm import build_tiny_tokenizer, load_lm
-
-    tokenizer = build_tiny_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(state)
+    model, tokenizer = build_tiny_qwen3(seed, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
