@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
+import yaml
+
 from .config import load_config
 from .evaluation import DEFAULT_METHODS, method_groups, method_names
 from .evaluation.report import markdown_report
-from .evaluation.run import DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, evaluate
+from .evaluation.decoders import ENGINES, require_engine
+from .evaluation.run import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT,
+                             DEFAULT_THROUGHPUT_N, evaluate)
+from .lm import LMLoadError
 from .transport import DTYPES
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
@@ -36,6 +42,7 @@ EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload b
     ilcp-eval --ckpt checkpoints/default --methods default,rclc-quick   # + 3 RCLC rows, ~+7 min a task
     ilcp-eval --ckpt checkpoints/default --methods default,rclc   # + the 12 RCLC rows, ~+28 min a task
     ilcp-eval --ckpt checkpoints/default --methods cold_read,rclc:qsnap:b8,rclc:chunkkv:r8:tuned
+    .venv-vllm/bin/python eval.py --ckpt checkpoints/default --engine vllm --throughput-batches 1,8,32
 
 The run's training task (test split; config.json's task and task_settings) is always
 evaluated; --tasks adds others, reported separately and marked held out. By default 200
@@ -55,7 +62,15 @@ prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not 
 rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap and chunkkv at
 r4, r16 and b16; cacheback r4:prefix and r4:tuned). An RCLC row costs about 1.5 cold_read rows
 (the sender's prefill and selection run per question):
-about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread."""
+about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread.
+
+--engine vllm (run with .venv-vllm/bin/python, the environment scripts/install.sh builds with
+vLLM) decodes every method's receiver prefixes through one in-process vLLM engine as well as the
+HF decoder (prompt embeddings, greedy, the same stop rule and token budget) and reports both
+engines' exact match on the same questions and their agreement; its caches and temporary files
+go to OUT/vllm. Latency and the sweeps stay on the HF decoder. --throughput-batches 1,8,32 adds
+the receiver's decode throughput (questions/s) of ilcp and cold_read at those batch sizes, HF
+and (with --engine vllm) vLLM, on the first --throughput-n questions."""
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -97,17 +112,70 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. handoff.max_steps=50")
     args = parser.parse_intermixed_args(argv)
+    if args.config and Path(args.config).is_dir():
+        parser.error(f"--config {args.config!r} is a directory: pass a YAML file such as configs/tiny.yaml")
     try:
         cfg = load_config(args.config, args.overrides)
+    except yaml.YAMLError as e:
+        parser.error(f"{_yaml_source(args.config, args.overrides)} is not valid YAML: {_yaml_problem(e)}")
     except ValueError as e:
         parser.error(str(e))
     setup_logging()
+    created = _first_missing(cfg.run_dir)
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)
-    except (FileExistsError, ValueError) as e:  # an existing run, changed settings on resume, an empty split
+    except (FileExistsError, FileNotFoundError, ValueError, LMLoadError) as e:
+        # an existing run, changed settings on resume, an empty split, a missing task file, an unknown LM
+        if created is not None:
+            _remove_failed_start(cfg.run_dir, created)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's message of several lines as one: the problem and where it is."""
+    problem = getattr(error, "problem", None) or " ".join(str(error).split())
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
+def _yaml_source(config: str | None, overrides: list[str]) -> str:
+    """Which input of `load_config` holds the YAML that does not parse: the file or an override."""
+    if config:
+        try:
+            yaml.safe_load(Path(config).read_text())
+        except yaml.YAMLError:
+            return f"config file {config!r}"
+    for item in overrides:
+        try:
+            yaml.safe_load(item.partition("=")[2])
+        except yaml.YAMLError:
+            return f"override {item!r}"
+    return "the configuration"
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder on the way to `path` that does not exist yet; None when `path` exists."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _remove_failed_start(run_dir: Path, created: Path) -> None:
+    """`train` writes the resolved config before it loads the LM and the data: when this command
+    created the run folder (and `created`, the first of its parents that was missing) and the start
+    failed there, they go again, so nothing is left."""
+    if not (run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == ["train_config.yaml"]):
+        return
+    shutil.rmtree(run_dir)
+    for folder in run_dir.parents:
+        if not folder.is_relative_to(created) or any(folder.iterdir()):
+            break
+        folder.rmdir()
 
 
 def _csv(text: str) -> list[str]:
@@ -146,7 +214,19 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--payload-dtype", default="float32", choices=DTYPES,
                         help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
                              "float32 scale)")
+    parser.add_argument("--facts-counts", type=_ints, default=list(DEFAULT_FACTS_COUNTS),
+                        help="numbers of facts of the facts-count sweep of a facts-trained run (default "
+                             f"{','.join(map(str, DEFAULT_FACTS_COUNTS))}; empty string = no sweep)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the facts contexts in the context-length sweep (default 0)")
+    parser.add_argument("--engine", default="hf", choices=ENGINES,
+                        help="the receiver's decoder: hf (default) or vllm (also decodes with HF and compares; "
+                             "needs .venv-vllm/bin/python)")
+    parser.add_argument("--throughput-batches", type=_ints, default=[],
+                        help="batch sizes of the receiver-throughput benchmark, e.g. 1,8,32 (default: none)")
+    parser.add_argument("--throughput-n", type=int, default=DEFAULT_THROUGHPUT_N,
+                        help=f"questions decoded per throughput cell (default {DEFAULT_THROUGHPUT_N})")
+    parser.add_argument("--vllm-kv-cache-mb", type=int, default=1024,
+                        help="the vLLM engine's KV cache in MiB (default 1024)")
     parser.add_argument("--device", default=None, help="where the LM runs (default: cuda if available, else cpu)")
     parser.add_argument("--out", default=None, help="output directory (default results/<run name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -156,6 +236,11 @@ def build_eval_parser() -> argparse.ArgumentParser:
 def eval_main(argv: list[str] | None = None) -> int:
     parser = build_eval_parser()
     args = parser.parse_args(argv)
+    try:
+        require_engine(args.engine)
+    except ImportError as e:  # one line, not vLLM's traceback: which interpreter to use
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     ckpt = Path(args.ckpt)
     if not ckpt.is_dir():
         parser.error(f"--ckpt {args.ckpt!r} is not a directory: pass a run folder written by train.py")
@@ -179,10 +264,18 @@ def eval_main(argv: list[str] | None = None) -> int:
             latency_n=args.latency_n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             lengths=args.lengths, length_n=args.length_n, facts_count_limit=args.facts_count_limit, seed=args.seed,
             out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
-            log=log,
+            log=log, facts_counts=args.facts_counts, engine=args.engine, throughput_batches=args.throughput_batches,
+            throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20,
         )
     except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)
         parser.error(str(e))
+    except LMLoadError as e:  # the LM config.json names cannot be loaded here
+        parser.error(str(e))
+    except RuntimeError as e:
+        if args.engine != "vllm" or "vLLM could not start" not in str(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print()
     print(markdown_report(results))
     log(f"wrote {', '.join(['results.json', 'results.md', 'predictions.jsonl'] + results['plots'])} to {out}")
@@ -193,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ilcp train ...`` or ``python -m ilcp eval ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"train": train_main, "eval": eval_main}
+    usage = "usage: python -m ilcp {train,eval} [arguments]  (python -m ilcp train --help)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
     if not argv or argv[0] not in commands:
-        print("usage: python -m ilcp {train,eval} [arguments]  (python -m ilcp train --help)", file=sys.stderr)
+        what = f"unknown command {argv[0]!r}" if argv else "no command"
+        print(f"error: {what}; {usage}", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])

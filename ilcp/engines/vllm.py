@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -51,11 +52,12 @@ from torch import Tensor
 from ..checks import positive_int
 from ..decoding import _answer_text, _has_line, stop_token_ids
 from ..handoff import ILCPHandoff
-from ..lm import LM, vocab_hash
+from ..lm import LM
 from ..transport import TransportPayload
 
 __all__ = [
     "INSTALL_HINT",
+    "VLLMDecoder",
     "VLLMReceiver",
     "VLLMSender",
     "create_engine",
@@ -200,26 +202,43 @@ def _engine_embedding_digest(model, rows: int, dtype: str) -> str:
     return _embedding_digest(embed, rows, getattr(torch, dtype), device)
 
 
-def _check_engine_serves(handoff: ILCPHandoff, llm, config, check_weights: bool) -> None:
-    """The engine's hidden size, vocabulary and input embeddings are those of the handoff's LM."""
+# Tokens vLLM registers on its own tokenizer (outside the model's vocabulary): with prompt
+# embeddings on, a second engine on the same directory in one process finds "<prompt_embeds>"
+# added as a special token.
+_VLLM_ADDED_TOKENS = frozenset({"<prompt_embeds>"})
+
+
+def _served_vocab_hash(tokenizer, rows: int) -> str:
+    """A hash of the vocabulary and special tokens (as `ilcp.lm.vocab_hash` reads them) without the
+    tokens vLLM adds past the model's ``rows`` embeddings."""
+    vocab = tokenizer.get_vocab()
+    added = {t for t in _VLLM_ADDED_TOKENS if vocab.get(t, -1) >= rows}
+    items = sorted(((k, v) for k, v in vocab.items() if k not in added), key=lambda kv: kv[1])
+    special = sorted(t for t in map(str, tokenizer.all_special_tokens) if t not in added)
+    payload = json.dumps({"vocab": items, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _check_engine_serves(lm: LM, llm, config, check_weights: bool) -> None:
+    """The engine's hidden size, vocabulary and input embeddings are those of ``lm``."""
     hidden = int(config.get_hidden_size())
-    if hidden != handoff.lm.hidden_size:
+    if hidden != lm.hidden_size:
         raise ValueError(
-            f"the vLLM engine serves a model of hidden size {hidden}, but the handoff's LM ({handoff.lm.spec!r}) has "
-            f"hidden size {handoff.lm.hidden_size}: start the engine on the handoff's LM (model_directory(handoff.lm))"
+            f"the vLLM engine serves a model of hidden size {hidden}, but the handoff's LM ({lm.spec!r}) has "
+            f"hidden size {lm.hidden_size}: start the engine on the handoff's LM (model_directory(handoff.lm))"
         )
-    rows = int(handoff.lm.model.get_input_embeddings().weight.shape[0])
+    rows = int(lm.model.get_input_embeddings().weight.shape[0])
     vocab = int(config.get_vocab_size())
     if vocab != rows:
         raise ValueError(f"the vLLM engine's vocabulary has {vocab} ids, the handoff's LM has {rows}: it serves "
                          "another model")
     tokenizer = llm.get_tokenizer() if not getattr(config, "skip_tokenizer_init", False) else None
-    if tokenizer is not None and vocab_hash(tokenizer) != vocab_hash(handoff.lm.tokenizer):
+    if tokenizer is not None and _served_vocab_hash(tokenizer, rows) != _served_vocab_hash(lm.tokenizer, rows):
         raise ValueError("the vLLM engine's tokenizer differs from the handoff's LM's: it serves another model")
     if not check_weights:
         return
     dtype = config.dtype
-    hf_dtype = handoff.lm.dtype
+    hf_dtype = lm.dtype
     if torch.finfo(hf_dtype).bits < torch.finfo(dtype).bits:
         dtype = hf_dtype
     name = str(dtype).removeprefix("torch.")
@@ -230,11 +249,10 @@ def _check_engine_serves(handoff: ILCPHandoff, llm, config, check_weights: bool)
             f"could not read the vLLM engine's input embeddings to check that it serves the handoff's LM ({e}); "
             "a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that, or pass check_weights=False"
         ) from e
-    model = handoff.lm.model
-    expected = _embedding_digest(model.get_input_embeddings(), rows, dtype, handoff.lm.device)
+    expected = _embedding_digest(lm.model.get_input_embeddings(), rows, dtype, lm.device)
     if any(d != expected for d in served):
         raise ValueError(
-            f"the vLLM engine's input embeddings differ from those of the handoff's LM ({handoff.lm.spec!r}, compared "
+            f"the vLLM engine's input embeddings differ from those of the handoff's LM ({lm.spec!r}, compared "
             f"in {name}): the engine serves other weights; start it on model_directory(handoff.lm)"
         )
 
@@ -246,28 +264,29 @@ def _runner(config) -> str:
 # ---------------------------------------------------------------------------------- receiver
 
 
-class VLLMReceiver:
-    """The ILCP receiver with a vLLM engine as its decoder.
+class VLLMDecoder:
+    """Greedy decoding of receiver prefixes through a vLLM engine, with the HF decoder's stop rule.
+
+    What `ilcp.decoding.greedy_decode` does for an (L_i, H) prefix list, for any receiver whose
+    prefixes live in ``lm``'s embedding space (ILCP memory vectors, tuned vectors, prompt text,
+    received rows): `VLLMReceiver` decodes with one, and so does ``eval.py --engine vllm``.
 
     Args:
-        handoff: the `ILCPHandoff` whose LM the engine serves (its encoder projects payloads, its
-            HF model embeds the question prompts).
-        llm: a ``vllm.LLM`` for generation created with ``enable_prompt_embeds=True``
-            (`create_engine` makes one).
-        check_weights: compare the engine's input embeddings with the handoff LM's (through
-            ``llm.apply_model``; a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1).
+        lm: the LM bundle the engine serves (its tokenizer cuts and decodes the answers).
+        llm: a ``vllm.LLM`` for generation created with ``enable_prompt_embeds=True``.
+        check_weights: compare the engine's input embeddings with ``lm``'s.
 
     Raises:
         ImportError: vLLM is not installed.
-        ValueError: not an `ILCPHandoff` or not a vLLM engine; a pooling engine; an engine without
+        ValueError: not an LM bundle or not a vLLM engine; a pooling engine; an engine without
             prompt embeddings; an engine serving another model (hidden size, vocabulary, weights).
         RuntimeError: the weight check could not run.
     """
 
-    def __init__(self, handoff: ILCPHandoff, llm, *, check_weights: bool = True):
+    def __init__(self, lm: LM, llm, *, check_weights: bool = True):
         vllm = require_vllm()
-        if not isinstance(handoff, ILCPHandoff):
-            raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        if not isinstance(lm, LM):
+            raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
         config = _model_config(llm)
         if _runner(config) != "generate":
             raise ValueError(
@@ -279,13 +298,13 @@ class VLLMReceiver:
                 "this vLLM engine was created without prompt embeddings, and the receiver sends its memory vectors "
                 "as prompt_embeds: create it with LLM(model, enable_prompt_embeds=True, ...) or create_engine(model)"
             )
-        _check_engine_serves(handoff, llm, config, check_weights)
+        _check_engine_serves(lm, llm, config, check_weights)
         self._vllm = vllm
-        self.handoff = handoff
+        self.lm = lm
         self.llm = llm
         self.dtype: torch.dtype = config.dtype
         self.max_model_len = int(config.max_model_len)
-        self.stops = frozenset(stop_token_ids(handoff.lm.model, handoff.lm.tokenizer))
+        self.stops = frozenset(stop_token_ids(lm.model, lm.tokenizer))
 
     def _sampling_params(self, max_new_tokens: int):
         return self._vllm.SamplingParams(
@@ -297,7 +316,7 @@ class VLLMReceiver:
         )
 
     def _cut(self, ids: Sequence[int], max_new_tokens: int, stop_at_newline: bool) -> list[int]:
-        tokenizer = self.handoff.lm.tokenizer
+        tokenizer = self.lm.tokenizer
         answer: list[int] = []
         for t in list(ids)[:max_new_tokens]:
             if t in self.stops:
@@ -306,6 +325,22 @@ class VLLMReceiver:
             if stop_at_newline and _has_line(tokenizer, answer):
                 break
         return answer
+
+    def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
+        """Raise ValueError when the engine cannot take ``prefix`` as prompt embeddings: not an
+        (L >= 1, H) float tensor, or L + max_new_tokens past the engine's max_model_len."""
+        hidden = self.lm.hidden_size
+        p = prefix
+        if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
+            raise ValueError(f"prefix {index} must be a (L, {hidden}) tensor with L >= 1, got "
+                             f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
+        if not p.is_floating_point():
+            raise ValueError(f"prefix {index} has dtype {p.dtype}; expected embedding vectors")
+        if p.shape[0] + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prefix {index} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it passes the "
+                f"engine's max_model_len of {self.max_model_len}"
+            )
 
     def decode_ids(
         self,
@@ -324,19 +359,9 @@ class VLLMReceiver:
         positive_int("max_new_tokens", max_new_tokens)
         if isinstance(prefixes, Tensor) or not isinstance(prefixes, Sequence) or len(prefixes) == 0:
             raise ValueError("prefixes must be a non-empty list of (L_i, H) tensors")
-        hidden = self.handoff.lm.hidden_size
         prompts = []
         for i, p in enumerate(prefixes):
-            if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
-                raise ValueError(f"prefix {i} must be a (L, {hidden}) tensor with L >= 1, got "
-                                 f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
-            if not p.is_floating_point():
-                raise ValueError(f"prefix {i} has dtype {p.dtype}; expected embedding vectors")
-            if p.shape[0] + max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prefix {i} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it passes the "
-                    f"engine's max_model_len of {self.max_model_len}"
-                )
+            self.check_prefix(p, max_new_tokens, i)
             prompts.append({"prompt_embeds": p.detach().to(device="cpu", dtype=self.dtype).contiguous()})
         outputs = self.llm.generate(prompts, self._sampling_params(max_new_tokens), use_tqdm=False)
         if len(outputs) != len(prompts):
@@ -352,7 +377,60 @@ class VLLMReceiver:
     ) -> list[str]:
         """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
         ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
-        return [_answer_text(self.handoff.lm.tokenizer, row, stop_at_newline) for row in ids]
+        return [_answer_text(self.lm.tokenizer, row, stop_at_newline) for row in ids]
+
+    def __repr__(self) -> str:
+        return f"VLLMDecoder(lm={self.lm.spec!r}, dtype={self.dtype}, max_model_len={self.max_model_len})"
+
+
+class VLLMReceiver:
+    """The ILCP receiver with a vLLM engine as its decoder (a `VLLMDecoder` on the handoff's LM).
+
+    Args:
+        handoff: the `ILCPHandoff` whose LM the engine serves (its encoder projects payloads, its
+            HF model embeds the question prompts).
+        llm: a ``vllm.LLM`` for generation created with ``enable_prompt_embeds=True``
+            (`create_engine` makes one).
+        check_weights: compare the engine's input embeddings with the handoff LM's (through
+            ``llm.apply_model``; a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1).
+
+    Raises:
+        ImportError: vLLM is not installed.
+        ValueError: not an `ILCPHandoff` or not a vLLM engine; a pooling engine; an engine without
+            prompt embeddings; an engine serving another model (hidden size, vocabulary, weights).
+        RuntimeError: the weight check could not run.
+    """
+
+    def __init__(self, handoff: ILCPHandoff, llm, *, check_weights: bool = True):
+        require_vllm()
+        if not isinstance(handoff, ILCPHandoff):
+            raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        self.decoder = VLLMDecoder(handoff.lm, llm, check_weights=check_weights)
+        self.handoff = handoff
+        self.llm = llm
+        self.dtype: torch.dtype = self.decoder.dtype
+        self.max_model_len = self.decoder.max_model_len
+        self.stops = self.decoder.stops
+
+    def decode_ids(
+        self,
+        prefixes: Sequence[Tensor],
+        *,
+        max_new_tokens: int = 8,
+        stop_at_newline: bool = False,
+    ) -> list[list[int]]:
+        """`VLLMDecoder.decode_ids`: answer token ids of (L_i, H) prefixes, one ``generate`` call."""
+        return self.decoder.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
+
+    def decode(
+        self,
+        prefixes: Sequence[Tensor],
+        *,
+        max_new_tokens: int = 8,
+        stop_at_newline: bool = False,
+    ) -> list[str]:
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        return self.decoder.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
 
     @staticmethod
     def _questions(question) -> tuple[bool, list[str]]:
@@ -473,7 +551,7 @@ class VLLMSender:
                              f"{activation!r}); the encoder reads raw states: PoolerConfig(task='token_embed', "
                              "use_activation=False)")
         _last_layer_only(handoff)
-        _check_engine_serves(handoff, llm, config, check_weights)
+        _check_engine_serves(handoff.lm, llm, config, check_weights)
         self.handoff = handoff
         self.llm = llm
         self.max_model_len = int(config.max_model_len)

@@ -116,11 +116,15 @@ class HandoffMethod:
         name: the name eval.py reports (and that `make_method` resolves).
         requires: export entries (``config.json["files"]`` keys) the method needs.
         carries_context: whether anything of the context reaches the receiver.
+        vllm_unavailable: why the method's receiver cannot decode through vLLM
+            (``eval.py --engine vllm`` reports it instead), or None: it can (its prefixes are
+            ``prompt_embeds``; prefixes longer than the engine's context are refused apart).
     """
 
     name: str = ""
     requires: tuple[str, ...] = ()
     carries_context: bool = True
+    vllm_unavailable: str | None = None
 
     def __init__(self, name: str | None = None):
         if name is not None:

@@ -4,7 +4,8 @@
 - `bootstrap_interval`: a seeded percentile bootstrap of a mean (for quantities that are not 0/1).
 - `latency_summary`: p50 / p99 / mean of per-request seconds.
 - `write_report`: results.json (the dict `evaluate` returns), results.md (a table per task,
-  the context-length table, the facts-count table), and the PNG plots (matplotlib, Agg backend).
+  the HF-against-vLLM table and the receiver-throughput table when measured, the
+  context-length table, the facts-count table), and the PNG plots (matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -139,6 +140,67 @@ def _method_table(methods: dict, limit) -> list[str]:
     return lines
 
 
+def _qps(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _engine_sections(results: dict) -> list[str]:
+    """The HF-against-vLLM table (engine "vllm") and the receiver-throughput table."""
+    out: list[str] = []
+    if results.get("settings", {}).get("engine") == "vllm":
+        info = results.get("vllm") or {}
+        summary = results.get("agreement") or {}
+        out += ["## Receiver decoding: HF against vLLM", "",
+                f"The same prefixes of every question decoded by the HF greedy decoder and through one vLLM engine "
+                f"(vLLM {info.get('vllm_version')}, {info.get('dtype')}, prompt embeddings, greedy, the same stop "
+                "rule and token budget). Agreement: questions whose normalised first lines are identical. "
+                f"Over all methods: {_pct(summary.get('agreement'))}% ({summary.get('agree')} of "
+                f"{summary.get('questions')} questions).", "",
+                "| task | method | n | HF exact match % [95% CI] | vLLM exact match % [95% CI] | agreement % [95% CI] "
+                "| differ | HF decode s | vLLM decode s |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        notes = []
+        for task, t in results["tasks"].items():
+            for name, m in t["methods"].items():
+                v = m.get("vllm")
+                if not v:
+                    continue
+                if "unavailable" in v:
+                    out.append(f"| {task} | {name} | {m['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+                               "| unavailable | - | - | - | - |")
+                    notes.append(f"- {task} {name}: {v['unavailable']}")
+                    continue
+                out.append(f"| {task} | {name} | {v['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+                           f"| {_ci(v['exact_match'], v['exact_match_ci'])} | {_ci(v['agreement'], v['agreement_ci'])} "
+                           f"| {v['disagree']} | {m.get('decode_s', 0):.1f} | {v['decode_s']:.1f} |")
+                for d in v.get("disagreements", []):
+                    notes.append(f"- {task} {name}, question {d['id']} ({d['question']!r}, answer {d['answer']!r}): "
+                                 f"HF {d['hf']!r}, vLLM {d['vllm']!r}")
+        out += [""] + (notes + [""] if notes else [])
+    tp = results.get("throughput")
+    if tp and tp.get("rows"):
+        has_vllm = any("vllm_qps" in r or "vllm_unavailable" in r for r in tp["rows"])
+        out += ["## Receiver throughput (questions per second)", "",
+                f"The receiver's decode of the first {tp['questions']} questions of {tp['task']} (prefixes built "
+                f"beforehand, untimed; greedy, {results['settings']['max_new_tokens']} new tokens at most), B "
+                f"questions per decoder call, after one untimed call; torch threads {tp.get('threads')}.", ""]
+        if has_vllm:
+            out += ["| method | batch | n | prefix positions (mean) | HF q/s | vLLM q/s | vLLM / HF |",
+                    "|---|---|---|---|---|---|---|"]
+        else:
+            out += ["| method | batch | n | prefix positions (mean) | HF q/s |", "|---|---|---|---|---|"]
+        for r in tp["rows"]:
+            row = f"| {r['method']} | {r['batch']} | {r['n']} | {r['mean_prefix_positions']:.0f} | {_qps(r['hf_qps'])} |"
+            if has_vllm:
+                if "vllm_qps" in r:
+                    row += f" {_qps(r['vllm_qps'])} | {r['vllm_qps'] / r['hf_qps']:.2f}x |"
+                else:
+                    row += " unavailable | - |"
+            out.append(row)
+        out.append("")
+    return out
+
+
 def markdown_report(results: dict) -> str:
     """The human-readable report of an `evaluate` result."""
     s = results["settings"]
@@ -179,6 +241,7 @@ def markdown_report(results: dict) -> str:
             out.append(f"\nThe ilcp sender pools at most the last {sweep['ilcp_pooled_max_length']} tokens of a context "
                        "(the run's pooling setting); the receiver's prefix does not grow with the context.")
         out.append("")
+    out += _engine_sections(results)
     facts = results.get("facts_count")
     if facts and facts.get("rows"):
         out += ["## Accuracy against the number of facts in the context (facts task)", "",

@@ -13,6 +13,10 @@ given) and each method:
 2. latency, per request and unbatched, on the first ``latency_n`` rows (after one untimed
    warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
    `receive` plus the prefill of `decode_one`), and the handoff time, their sum.
+With ``engine="vllm"`` step 1 decodes the same prefixes through a vLLM engine too (`.decoders`):
+each method's metrics gain the vLLM answers' accuracy and their agreement with the HF decoder's.
+With ``throughput_batches`` the receiver's decode is benchmarked in questions per second at those
+batch sizes (ilcp and cold_read; HF, and vLLM with that engine).
 Then the receiver's time to first token against context length on the facts task (no_context,
 cold_read, ilcp), and, for a run trained on the facts task, accuracy against the number of facts
 in the context (ilcp, prompt_tuned, cold_read_tuned). The result dict is written as
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,16 +44,19 @@ from ..lm import LM, load_lm
 from ..tasks import babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, make_facts
 from ..io import atomic_write_text
 from ..metrics import contains_answer, exact_match, token_f1
+from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, require_vllm
+from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
 from .methods import DEFAULT_METHODS
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import latency_summary, wilson_interval, write_report
 
-__all__ = ["DEFAULT_LIMIT", "TaskSpec", "evaluate", "parse_task", "time_request"]
+__all__ = ["DEFAULT_LIMIT", "DEFAULT_THROUGHPUT_N", "TaskSpec", "evaluate", "parse_task", "time_request"]
 
 DEFAULT_LIMIT = 200
 DEFAULT_LATENCY_N = 20
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
 DEFAULT_FACTS_COUNTS = (1, 2, 4, 8, 16)
+DEFAULT_THROUGHPUT_N = 64
 LENGTH_METHODS = ("no_context", "cold_read", "ilcp")
 FACTS_COUNT_METHODS = ("ilcp", "prompt_tuned", "cold_read_tuned")
 FACTS_TEST_SIZE = 1000  # questions in the facts task's test split (bAbI en test files hold 1,000)
@@ -201,9 +209,14 @@ def _latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, p
 
 
 def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
-              progress: bool, desc: str) -> tuple[dict, list[str]]:
+              progress: bool, desc: str, vllm: VLLMDecoder | None = None) -> tuple[dict, list[str], list[str] | None]:
+    """Metrics and predictions of the HF decoder; with ``vllm``, the same prefixes decoded through
+    it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions."""
     lm = method.lm
     predictions: list[str] = []
+    vllm_predictions: list[str] | None = [] if vllm is not None else None
+    unavailable: str | None = None
+    decode_s = vllm_s = 0.0
     wire, tensor, positions = [], [], []
     chunks = range(0, len(rows), CHUNK)
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
@@ -211,12 +224,29 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
         built = method.build_prefixes(chunk)
         # Batches of similar lengths pad less; answers do not depend on the batching.
         order = sorted(range(len(chunk)), key=lambda i: built.prefixes[i].shape[0])
-        answers = greedy_decode(lm.model, lm.tokenizer, [built.prefixes[i] for i in order],
+        ordered = [built.prefixes[i] for i in order]
+        t0 = time.perf_counter()
+        answers = greedy_decode(lm.model, lm.tokenizer, ordered,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, stop_at_newline=True)
+        decode_s += time.perf_counter() - t0
         in_order = [""] * len(chunk)
         for i, answer in zip(order, answers):
             in_order[i] = answer
         predictions += in_order
+        if vllm is not None and unavailable is None:
+            unavailable = vllm_unavailable(method, ordered, vllm, max_new_tokens)
+        if vllm is not None and unavailable is None:
+            t0 = time.perf_counter()
+            try:
+                answers = vllm.decode(ordered, max_new_tokens=max_new_tokens, stop_at_newline=True)
+            except (ValueError, RuntimeError) as e:  # what the engine refuses, said in one line
+                unavailable = " ".join(str(e).split()) or type(e).__name__
+            else:
+                vllm_s += time.perf_counter() - t0
+                vllm_order = [""] * len(chunk)
+                for i, answer in zip(order, answers):
+                    vllm_order[i] = answer
+                vllm_predictions += vllm_order
         wire += built.wire_bytes
         tensor += built.tensor_bytes
         positions += [int(p.shape[0]) for p in built.prefixes]
@@ -228,7 +258,7 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
     def mean(x):
         return sum(x) / len(x) if x else None
 
-    return {
+    metrics = {
         "n": len(rows),
         "exact_match": mean(em),
         "exact_match_ci": wilson_interval(em),
@@ -238,7 +268,15 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
         "wire_bytes": mean(wire) if wire else 0.0,
         "tensor_bytes": mean(tensor) if tensor else 0.0,
         "prefill_positions": mean(positions) if positions else 0.0,
-    }, predictions
+        "decode_s": round(decode_s, 3),
+    }
+    if vllm is not None:
+        if unavailable is not None:
+            metrics["vllm"] = {"unavailable": f"unavailable on vllm: {unavailable}"}
+            vllm_predictions = None
+        else:
+            metrics["vllm"] = compare(rows, predictions, vllm_predictions, vllm_s)
+    return metrics, predictions, vllm_predictions
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +332,11 @@ def evaluate(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     payload_dtype: str = "float32",
+    engine: str = "hf",
+    throughput_batches: Sequence[int] = (),
+    throughput_n: int = DEFAULT_THROUGHPUT_N,
+    vllm_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    vllm: VLLMDecoder | None = None,
 ) -> dict:
     """Evaluate the methods of a trained run; returns the results dict (and writes it to ``out``).
 
@@ -319,11 +362,23 @@ def evaluate(
         log: called with progress lines (eval.py passes ``print``); None is silent.
         payload_dtype: dtype of the ilcp latent on the wire: float32, float16, bfloat16 or int8
             (`ILCPHandoff`); wire and tensor bytes are those of the packed payload.
+        engine: "hf" (the HF greedy decoder) or "vllm": every method's prefixes are decoded by
+            the HF decoder and through one vLLM engine, and each method's metrics gain a
+            ``"vllm"`` entry (exact match, contains, F1, agreement with HF; or ``"unavailable"``
+            and why). Latency and the sweeps stay on the HF decoder.
+        throughput_batches: batch sizes of the receiver-throughput benchmark (questions per
+            second of the decode of `THROUGHPUT_METHODS`' prefixes, HF and, with engine="vllm",
+            vLLM: `receiver_throughput`), on the first ``throughput_n`` questions of the first
+            task; empty: no benchmark.
+        vllm_kv_cache_bytes: the vLLM engine's KV cache.
+        vllm: a `VLLMDecoder` on ``lm`` to use instead of starting an engine (engine="vllm").
 
     Raises:
         ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
             task is asked of a run whose config.json records no facts settings (``task_settings``).
-        ValueError: an unknown method or task, or a bad number.
+        ValueError: an unknown method, task or engine, or a bad number.
+        ImportError: engine="vllm" without vLLM installed (the message names .venv-vllm).
+        RuntimeError: the vLLM engine did not start.
     """
     say = log or (lambda message: None)
     t_start = time.perf_counter()
@@ -332,8 +387,11 @@ def evaluate(
     for name, value, low in (("latency_n", latency_n, 0), ("batch_size", batch_size, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("length_n", length_n, 1),
                              ("facts_count_limit", facts_count_limit, 1),
-                             ("seed", seed, 0)):
+                             ("seed", seed, 0), ("throughput_n", throughput_n, 1),
+                             ("vllm_kv_cache_bytes", vllm_kv_cache_bytes, 1)):
         _check_int(name, value, low)
+    throughput_batches = [_check_int("throughput_batches", v, 1) for v in throughput_batches]
+    require_engine(engine)
     lengths = [_check_int("lengths", v, 1) for v in lengths]
     facts_counts = [_check_int("facts_counts", v, 1) for v in facts_counts]
     ckpt = Path(ckpt)
@@ -364,6 +422,18 @@ def evaluate(
     run = read_export(ckpt)
     handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype) if run.encoder is not None else None
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
+    engine_info = None
+    if engine == "vllm":
+        t0 = time.perf_counter()
+        if vllm is None:
+            folder = Path(out) / "vllm" if out is not None else Path(tempfile.mkdtemp(prefix="ilcp-vllm-"))
+            vllm = start_vllm(lm, folder, kv_cache_bytes=vllm_kv_cache_bytes, log=say)
+        elif not isinstance(vllm, VLLMDecoder) or vllm.lm is not lm:
+            raise ValueError("vllm must be an ilcp.engines.vllm.VLLMDecoder on the LM the evaluation uses")
+        engine_info = {"vllm_version": getattr(require_vllm(), "__version__", None), "dtype": str(vllm.dtype),
+                       "max_model_len": vllm.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
+    else:
+        vllm = None
     bound = []
     for m in runnable:
         try:
@@ -379,11 +449,13 @@ def evaluate(
                 "num_memory_tokens": config.get("num_memory_tokens")},
         "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                      "intervals": "wilson", "seed": seed, "methods": [m.name for m in chosen],
-                     "tasks": [s.name for s in task_specs], "device": str(lm.device)},
+                     "tasks": [s.name for s in task_specs], "device": str(lm.device), "engine": engine,
+                     "torch_threads": torch.get_num_threads()},
+        "vllm": engine_info,
         "tasks": {},
         "skipped": skipped,
     }
-    predictions: dict[str, tuple[list[dict], dict[str, list[str]]]] = {}
+    predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
 
     for spec in task_specs:
         rows, available, source = _task_rows(spec, limit, facts_settings)
@@ -392,22 +464,40 @@ def evaluate(
             f"questions, {len(bound)} methods")
         task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
                        "limit": limit, "methods": {}}
-        predictions[spec.name] = (rows, {})
+        predictions[spec.name] = (rows, {}, {})
         for m in bound:
             t0 = time.perf_counter()
-            metrics, preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                       progress=progress,
-                                       desc=f"{spec.name} {m.name} accuracy")
+            metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                                   progress=progress, desc=f"{spec.name} {m.name} accuracy", vllm=vllm)
             t1 = time.perf_counter()
             metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
             metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
             task_result["methods"][m.name] = metrics
             predictions[spec.name][1][m.name] = preds
+            if vllm_preds is not None:
+                predictions[spec.name][2][m.name] = vllm_preds
             say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
                 f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
                 f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
                 f"{metrics['seconds']['latency']:.0f}s latency)")
+            if "vllm" in metrics:
+                v = metrics["vllm"]
+                say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
+                                       f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
+                                       f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
         results["tasks"][spec.name] = task_result
+
+    results["agreement"] = _agreement_summary(results["tasks"]) if engine == "vllm" else None
+    results["throughput"] = None
+    if throughput_batches:
+        spec = task_specs[0]
+        tp_methods = [m for m in bound if m.name in THROUGHPUT_METHODS]
+        if tp_methods:
+            tp_rows = _task_rows(spec, throughput_n, facts_settings)[0]
+            say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in tp_methods)}, {len(tp_rows)} "
+                f"questions, batches {throughput_batches}" + (", HF and vLLM" if vllm is not None else ", HF"))
+            results["throughput"] = {"task": spec.name, **receiver_throughput(
+                tp_methods, tp_rows, throughput_batches, max_new_tokens=max_new_tokens, decoder=vllm, log=say)}
 
     results["context_length"] = _length_sweep(
         [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
@@ -424,6 +514,22 @@ def evaluate(
         write_report(results, out)
         _write_predictions(Path(out), predictions)
     return results
+
+
+def _agreement_summary(tasks: dict) -> dict:
+    """Agreement of the vLLM and HF answers over every question of every method that ran on both."""
+    same = total = 0
+    unavailable = {}
+    for task, t in tasks.items():
+        for name, m in t["methods"].items():
+            v = m.get("vllm") or {}
+            if "unavailable" in v:
+                unavailable[f"{task} {name}"] = v["unavailable"]
+            elif v:
+                total += v["n"]
+                same += v["n"] - v["disagree"]
+    return {"questions": total, "agree": same, "agreement": same / total if total else None,
+            "unavailable": unavailable}
 
 
 def _fmt(point, ci) -> str:
@@ -476,7 +582,7 @@ def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: i
         rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
                           split="test", **heldout).to_list()
         for m in methods:
-            metrics, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+            metrics, _, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                    progress=progress, desc=f"{count} facts {m.name}")
             rows_out.append({"method": m.name, "n_facts": count, "n_distractors": settings["n_distractors"],
                              **{k: metrics[k] for k in ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1")}})
@@ -488,9 +594,13 @@ def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: i
 def _write_predictions(out: Path, predictions: dict) -> None:
     """predictions.jsonl: one line per task, method and question (for reading the answers)."""
     lines = []
-    for task, (rows, by_method) in predictions.items():
+    for task, (rows, by_method, by_method_vllm) in predictions.items():
         for method, preds in by_method.items():
-            for row, p in zip(rows, preds):
-                lines.append(json.dumps({"task": task, "method": method, "id": row["id"], "question": row["question"],
-                                         "answer": row["answer"], "prediction": p}))
+            on_vllm = by_method_vllm.get(method)
+            for i, (row, p) in enumerate(zip(rows, preds)):
+                line = {"task": task, "method": method, "id": row["id"], "question": row["question"],
+                        "answer": row["answer"], "prediction": p}
+                if on_vllm is not None:
+                    line["prediction_vllm"] = on_vllm[i]
+                lines.append(json.dumps(line))
     atomic_write_text(out / "predictions.jsonl", "\n".join(lines) + ("\n" if lines else ""))
