@@ -230,8 +230,15 @@ def model_card(config: dict, metrics: dict | None = None) -> str:
 
 def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     """Write one encoder as an export (config.json + model.safetensors) into `path`; `config` is
-    an export config (its lm, task and pooling entries are kept)."""
+    an export config (its lm, task and pooling entries are kept).
+
+    Raises:
+        FileExistsError: `path` is a file, or a folder whose config.json is not an earlier save of
+            this kind (a training run, whose other weights it would drop, or a model's own
+            folder); nothing is written then.
+    """
     path = Path(path)
+    _check_save_target(path)
     atomic_save_safetensors(encoder_state(encoder), path / MODEL_FILE, {"format": "pt"})
     config = json.loads(json.dumps(config))
     pooling = config.get("pooling", {})
@@ -244,6 +251,25 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     atomic_write_text(path / CARD_FILE, model_card(config))
     atomic_write_json(path / CONFIG_FILE, config)
     return path
+
+
+def _check_save_target(path: Path) -> None:
+    """`save_encoder` replaces config.json and model.safetensors: only in a new folder or over an
+    earlier save (whose config.json lists model.safetensors alone)."""
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{str(path)!r} is a file: save_pretrained writes a folder (config.json, "
+                              f"{MODEL_FILE}); nothing was written")
+    existing = path / CONFIG_FILE
+    if not existing.exists():
+        return
+    try:
+        files = json.loads(existing.read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if files != {"ilcp": MODEL_FILE}:
+        raise FileExistsError(f"{str(path)!r} already holds a config.json that is not a saved handoff (a training "
+                              "run or a model's folder): saving there would replace it; choose a new folder "
+                              "(nothing was written)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -469,10 +469,14 @@ class Agent:
         Raises:
             RuntimeError: inputs are pending or handoffs are queued.
             ValueError: no state, or no tokenizer.
+            IsADirectoryError: ``path`` is a folder (nothing is written).
         """
         self._check_idle("save()")
         self._check_no_pending("save")
         self._check_no_queue("save")
+        if Path(path).is_dir():
+            raise IsADirectoryError(f"cannot save a snapshot to {str(path)!r}: it is a folder; pass a file path "
+                                    "such as agent.safetensors")
         with self._running("save()"):
             await run_in_worker(self._write_snapshot, Path(path), lock=False)
 
@@ -502,6 +506,14 @@ class Agent:
         self._explicit = state
 
     def _read_snapshot(self, path: Path) -> SenderState:
+        try:
+            return self._restore_snapshot(path)
+        except snapshots.SnapshotError as e:  # name the file: an agent loop may restore several
+            if str(path) in str(e):
+                raise
+            raise snapshots.SnapshotError(f"snapshot {str(path)!r}: {e}") from None
+
+    def _restore_snapshot(self, path: Path) -> SenderState:
         snap = snapshots.read_snapshot(path)
         backend = self._backend
         with MODEL_LOCK:

@@ -40,7 +40,7 @@ class BudgetMode:
 def _positive_int(value, name: str) -> int:
     """`ilcp.checks.positive_int`, except that a value of another type (a bool, a float) raises TypeError."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     return positive_int(name, value)
 
 

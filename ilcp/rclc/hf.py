@@ -223,6 +223,10 @@ def _check_messages(messages) -> None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+        # A list of content parts is the multimodal form some templates read; anything else would
+        # fail inside the template's Jinja code with a message that names neither field.
+        if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
+            raise TypeError(f"a chat message's role must be a string and its content a string, got {m!r}")
 
 
 def check_ids(ids, vocab: int, what: str = "token IDs") -> torch.Tensor:
