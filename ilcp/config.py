@@ -164,9 +164,11 @@ class ReconstructConfig:
 @dataclass
 class TrainerConfig:
     accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu")
-    devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto')")
+    devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto'); with more than one, the batch sizes are "
+                         "global (each device takes batch_size / devices rows a step)")
     num_nodes: int = _f(1, "Lightning num_nodes")
-    strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ...")
+    strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ... (ranks start as processes that re-run the "
+                               "command: spawn and fork strategies are refused)")
     precision: str = _f("32-true", "Lightning precision: 32-true, bf16-mixed, bf16-true, ...")
     seed: int = _f(0, "global seed for initialisation and batch order")
     progress: bool = _f(True, "show progress bars")
@@ -174,6 +176,9 @@ class TrainerConfig:
     def __post_init__(self):
         if self.num_nodes < 1:
             raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        if any(word in str(self.strategy) for word in ("spawn", "fork", "notebook")):
+            raise ValueError(f"trainer.strategy={self.strategy!r} is not supported: the ranks of a run start as "
+                             "processes that re-run the training command; use ddp (or fsdp)")
 
 
 @dataclass

@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from .. import export
 from ..compressor import BetaVAE, active_units
 from ..config import CompressorConfig, TrainConfig
 from ..encoder import ILCPEncoder, sender_states_of
-from ..io import atomic_save_safetensors, atomic_write_json
 from ..lm import LM
 from ..pooling import AttentionPooler
-from .data import HandoffRows, collate_rows, pooled_rows
+from .data import HandoffRows, collate_rows, pooled_rows, row_loader
+from .distributed import gather_rows, save_stage
 from .log import last_checkpoint, make_trainer, parameter_counts, say
 
 
@@ -133,11 +133,11 @@ class CompressorModule(L.LightningModule):
                   "val/loss": out["recon"] + self.encoder.vae.beta * out["kl"]}
         if self.head is not None:
             logged.update({"val/answer_ce": out["answer_ce"], "val/answer_accuracy": out["answer_accuracy"]})
-        self.log_dict(logged, batch_size=len(batch["answer"]))
+        self.log_dict(logged, batch_size=len(batch["answer"]), sync_dist=True)
 
     def on_validation_epoch_end(self):
-        if self._val_mu:
-            self.log("val/active_units", float(active_units(torch.cat(self._val_mu))))
+        if self._val_mu:  # every rank has validation rows (`data.GlobalBatchShards`)
+            self.log("val/active_units", float(active_units(gather_rows(torch.cat(self._val_mu)))), sync_dist=True)
         self._val_mu.clear()
 
     def configure_optimizers(self):
@@ -182,9 +182,8 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     tr, fr = parameter_counts(module)
     head = f"; answer head over {n_answers} answers, weight {c.answer_head_weight}" if module.head is not None else ""
     say(f"stage 1 (compressor): {tr:,} trainable parameters, {fr:,} frozen; {c.epochs} epochs{head}")
-    g = torch.Generator().manual_seed(cfg.trainer.seed)
-    loader = DataLoader(train_1, batch_size=c.batch_size, shuffle=True, generator=g, collate_fn=collate_stage_one)
-    val_loader = DataLoader(val_1, batch_size=c.batch_size, collate_fn=collate_stage_one)
+    loader = row_loader(train_1, c.batch_size, shuffle=True, seed=cfg.trainer.seed, collate_fn=collate_stage_one)
+    val_loader = row_loader(val_1, c.batch_size, shuffle=False, collate_fn=collate_stage_one)
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), save_last=True, save_top_k=0)
     trainer = make_trainer(cfg, stage_dir, "compressor", [ckpt], max_epochs=c.epochs,
                            check_val_every_n_epoch=max(1, c.epochs // 6))
@@ -192,9 +191,7 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     if pooler is not None:
         pooler.requires_grad_(True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    # metrics first: the weights file marks the stage done
-    atomic_write_json(stage_dir / "metrics.json", metrics)
-    atomic_save_safetensors(export.encoder_state(encoder), done)
+    save_stage(stage_dir / "metrics.json", metrics, done, export.encoder_state(encoder))
     if module.head is not None:
         say(f"stage 1 (compressor): validation answer-head accuracy {metrics.get('val/answer_accuracy', float('nan')):.3f}")
     return encoder, metrics

@@ -13,13 +13,14 @@ import time
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..config import TrainConfig
 from ..encoder import pool_states, pool_units
 from ..lm import LM
 from ..pooling import AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, pad_token_states
 from ..tasks import load_task, task_config_key
+from .distributed import rank, world_size
 from .log import say
 
 
@@ -97,20 +98,52 @@ def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens:
     return torch.cat(out)
 
 
+class GlobalBatchShards(Sampler):
+    """One rank's share of every batch one device would take: the batches of
+    ``DataLoader(range(n), batch_size, shuffle, generator)`` (its order, epoch after epoch), each
+    split among the ranks by stride, so the ranks of a step together see that step's rows. A last
+    batch with fewer rows than ranks repeats rows, so every rank takes a batch at every step."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, ranks: int, rank: int):
+        generator = torch.Generator().manual_seed(seed) if shuffle else None
+        self.order = DataLoader(range(n), batch_size=batch_size, shuffle=shuffle, generator=generator)
+        self.ranks, self.rank = ranks, rank
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        for batch in self.order:
+            rows = batch.tolist()
+            if len(rows) < self.ranks:
+                rows = (rows * self.ranks)[: self.ranks]
+            yield rows[self.rank:: self.ranks]
+
+
+def row_loader(rows: Dataset, batch_size: int, *, shuffle: bool, seed: int = 0, collate_fn=collate_rows) -> DataLoader:
+    """Batches of `batch_size` rows (the global batch), shuffled by `seed`; with several ranks,
+    this rank's share of each (`GlobalBatchShards`, so the trainers are built with
+    ``use_distributed_sampler=False``)."""
+    if world_size() > 1:
+        shards = GlobalBatchShards(len(rows), batch_size, shuffle, seed, world_size(), rank())
+        return DataLoader(rows, batch_sampler=shards, collate_fn=collate_fn, num_workers=0)
+    g = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(rows, batch_size=batch_size, shuffle=shuffle, generator=g, collate_fn=collate_fn, num_workers=0)
+
+
 class HandoffDataModule(L.LightningDataModule):
-    """Train / validation rows with their sender states; shuffling is seeded."""
+    """Train / validation rows with their sender states; shuffling is seeded; `batch_size` is the
+    global batch (see `row_loader`)."""
 
     def __init__(self, train: HandoffRows, val: HandoffRows, batch_size: int, seed: int = 0):
         super().__init__()
         self.train, self.val, self.batch_size, self.seed = train, val, batch_size, seed
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=g,
-                          collate_fn=collate_rows, num_workers=0)
+        return row_loader(self.train, self.batch_size, shuffle=True, seed=self.seed)
 
     def val_dataloader(self):
-        return DataLoader(self.val, batch_size=self.batch_size, shuffle=False, collate_fn=collate_rows, num_workers=0)
+        return row_loader(self.val, self.batch_size, shuffle=False)
 
 
 def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:

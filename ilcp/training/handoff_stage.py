@@ -28,11 +28,11 @@ from ..compat import logits_to_keep_kwargs
 from ..config import HandoffConfig, TrainConfig
 from ..decoding import assemble_prefix, greedy_decode, left_pad
 from ..encoder import ConstantMemory, ILCPEncoder, MemorySource
-from ..io import atomic_save_safetensors, atomic_write_json
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
 from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
+from .distributed import broadcast, is_main, reduce_sum, save_stage
 from .log import checkpoint_state, last_checkpoint, make_trainer, parameter_counts, read_curve, say
 
 def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
@@ -77,7 +77,16 @@ class HandoffModule(L.LightningModule):
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
         self.lm = lm.model
         self.strict_loading = False  # checkpoints hold the trained modules only
-        self._val_hits: list[bool] = []
+        self._val_hits: list[tuple[int, bool]] = []
+        if isinstance(source, ILCPEncoder) and not source.encoder_frozen:
+            # What this loss never reaches learns nothing here: frozen, so that no trainable
+            # parameter goes without a gradient (which DDP refuses).
+            source.vae.decoder.requires_grad_(False)
+            source.vae.logvar_head.requires_grad_(self.kl_in_loss())
+
+    def kl_in_loss(self) -> bool:
+        """Whether the training loss has the posterior's KL term (which trains the logvar head)."""
+        return self.cfg.joint_kl_weight > 0
 
     # the frozen LM stays in eval mode whatever Lightning asks of the module
     def train(self, mode: bool = True):
@@ -162,16 +171,24 @@ class HandoffModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         loss, _ = self._teacher_forced(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]))
+        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
         keep = [i for i, idx in enumerate(batch["index"].tolist()) if idx < self.val_decode_size]
         if keep:
             predictions = self.answer(batch, keep)
-            self._val_hits.extend(exact_match(p, batch["answer"][i]) for p, i in zip(predictions, keep))
+            self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answer"][i]))
+                                  for p, i in zip(predictions, keep))
 
     def on_validation_epoch_end(self):
-        if self._val_hits:
-            self.log("val/exact_match", sum(self._val_hits) / len(self._val_hits), prog_bar=True)
-        self.log("val/step", float(self.global_step))
+        if self.val_decode_size > 0:
+            # each decoded row once, whichever rank decoded it (a short last batch repeats rows)
+            decoded = torch.zeros(self.val_decode_size, device=self.device)
+            hits = torch.zeros(self.val_decode_size, device=self.device)
+            for index, hit in self._val_hits:
+                decoded[index], hits[index] = 1.0, float(hit)
+            decoded, hits = reduce_sum(decoded) > 0, reduce_sum(hits) > 0
+            if decoded.any():
+                self.log("val/exact_match", float(hits[decoded].sum() / decoded.sum()), prog_bar=True, sync_dist=True)
+        self.log("val/step", float(self.global_step), sync_dist=True)
         self._val_hits.clear()
 
     @torch.no_grad()
@@ -221,7 +238,8 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
-    say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen (the LM); "
+    frozen = "the LM and the encoder parts this loss does not reach" if variant == "ilcp" else "the LM"
+    say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
         f"{h.max_steps} steps of batch {h.batch_size}")
     steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
                                             max_steps=h.max_steps, val_every_steps=h.val_every_steps)
@@ -232,8 +250,7 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         "final_val_loss": curve[-1].get("val/loss") if curve else None,
         "curve": curve, "val_decode_size": cfg.data.val_decode_size,
     }
-    atomic_write_json(stage_dir / "metrics.json", metrics)
-    atomic_save_safetensors(export.trained_state(source), done)  # marks the stage done
+    save_stage(stage_dir / "metrics.json", metrics, done, export.trained_state(source))
     return source, metrics
 
 
@@ -260,7 +277,7 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
     if trainer.global_step % every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
     seconds = time.perf_counter() - t0
-    curve = read_curve(cfg, name)
+    curve = broadcast(read_curve(cfg, name) if is_main() else None)  # rank 0 writes the log
     best_path = _best_checkpoint(ckpt.best_model_path, stage_dir)
     if best_path is not None:
         module.load_state_dict(checkpoint_state(best_path), strict=False)

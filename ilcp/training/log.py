@@ -11,10 +11,14 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
+from .distributed import is_main
+
 
 def say(msg: str) -> None:
-    """A progress line on the ``ilcp.training`` logger (the command lines print it as ``[ilcp] ...``)."""
-    logging.getLogger("ilcp.training").info(msg)
+    """A progress line on the ``ilcp.training`` logger (the command lines print it as ``[ilcp] ...``),
+    from rank 0 only when several processes train."""
+    if is_main():
+        logging.getLogger("ilcp.training").info(msg)
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int]:
@@ -31,7 +35,9 @@ def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> 
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
         callbacks=callbacks, enable_progress_bar=t.progress, enable_model_summary=False,
-        default_root_dir=str(stage_dir), num_sanity_val_steps=0, log_every_n_steps=5, **kwargs,
+        default_root_dir=str(stage_dir), num_sanity_val_steps=0, log_every_n_steps=5,
+        use_distributed_sampler=False,  # the loaders shard the global batches themselves (`data.row_loader`)
+        **kwargs,
     )
 
 

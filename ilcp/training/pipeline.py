@@ -9,7 +9,8 @@
 4. export (`ilcp.export`) to ``checkpoints/RUN``.
 
 Each stage keeps a ``last.ckpt`` and writes its trained tensors when done; ``resume=True`` skips
-finished stages and continues the unfinished one.
+finished stages and continues the unfinished one. With several devices every rank runs `train`;
+rank 0 alone prepares the run directory and writes files (`ilcp.training.distributed`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
 from .data import HandoffDataModule, prepare_data
+from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import train_variant
 from .reconstruction_stage import train_reconstruction
 from .log import say
@@ -41,8 +43,31 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm: LM | None = None) -> TrainResult:
-    """Run both stages for every configured variant and export to ``cfg.run_dir``."""
+    """Run both stages for every configured variant and export to ``cfg.run_dir``.
+
+    With several devices (``trainer.devices``, ``trainer.num_nodes``) this runs in every rank:
+    the command that was run is rank 0 and starts the others, which run the same command (see
+    `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files."""
     cfg.validate()
+    procs = Processes(cfg.trainer)
+    for name in ("compressor.batch_size", "reconstruct.batch_size", "handoff.batch_size"):
+        section, key = name.split(".")
+        check_global_batch(getattr(getattr(cfg, section), key), name, procs.world_size)
+    if procs.is_main:  # before the other ranks exist: no rank sees a half-prepared directory
+        _prepare_run_dir(cfg, resume, overwrite)
+    procs.launch()
+    try:
+        result = _train(cfg, resume, lm, procs)
+    except BaseException:
+        procs.abort()
+        raise
+    procs.finish()
+    return result
+
+
+def _prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    """Refuse an existing run unless resumed or overwritten; delete what --overwrite replaces and
+    what a kill left half written; save the resolved config."""
     run_dir = cfg.run_dir
     started = _started(run_dir)
     if started and not (resume or overwrite):
@@ -61,11 +86,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         shutil.rmtree(run_dir)  # a run to redo, or a start that failed before any stage
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "train_config.yaml")
+
+
+def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> TrainResult:
+    run_dir = cfg.run_dir
     t_start = time.perf_counter()
-    if lm is None:
-        lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
-    say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
-    train_rows, val_rows = prepare_data(cfg, lm)
+    # rank 0 first: it converts the LM and extracts the sender states into the caches the others read
+    with procs.main_first():
+        if lm is None:
+            lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
+        say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
+        train_rows, val_rows = prepare_data(cfg, lm)
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
     if "ilcp" in cfg.handoff.variants:
         encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
@@ -81,13 +112,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "train_rows": len(train_rows), "val_rows": len(val_rows),
     }
-    export.export_run(cfg, lm, sources, metrics)
+    if is_main():
+        export.export_run(cfg, lm, sources, metrics)
     say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
 
 
 # settings a resumed run may change: they do not change what it trains
-_RESUMABLE = {"trainer.progress", "lm.cache_dir"}
+# (batch sizes are global, so the number of devices does not change what a step sees)
+_RESUMABLE = {"trainer.progress", "lm.cache_dir", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
+              "trainer.accelerator"}
 # step budgets a resumed run may raise (it trains further), never lower
 _EXTENDABLE = {"handoff.max_steps", "reconstruct.steps"}
 

@@ -21,10 +21,10 @@ from torch import Tensor
 from .. import export, prompts
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
-from ..io import atomic_save_safetensors, atomic_write_json
 from ..lm import LM
 from ..pooling import TokenStates
 from .data import HandoffDataModule, HandoffRows
+from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
 from .log import parameter_counts, say
 
@@ -85,7 +85,10 @@ class ReconstructionModule(HandoffModule):
 
     def validation_step(self, batch, batch_idx):
         loss, _ = self._teacher_forced(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["context"]))
+        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["context"]), sync_dist=True)
+
+    def kl_in_loss(self) -> bool:
+        return False
 
     def configure_optimizers(self):
         r = self.reconstruct_cfg
@@ -115,8 +118,7 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
     metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx),
                "best_step": best.get("step"), "best_val_loss": best.get("val/loss"),
                "first_val_loss": curve[0].get("val/loss") if curve else None, "curve": curve}
-    atomic_write_json(stage_dir / "metrics.json", metrics)
-    atomic_save_safetensors(export.encoder_state(encoder), done)  # marks the stage done
+    save_stage(stage_dir / "metrics.json", metrics, done, export.encoder_state(encoder))
     say(f"reconstruction: validation loss {metrics['first_val_loss']} at step {curve[0]['step'] if curve else '-'}, "
         f"best {metrics['best_val_loss']} at step {metrics['best_step']}")
     return metrics
