@@ -11,12 +11,15 @@
 Each stage keeps a ``last.ckpt`` and writes its trained tensors when done; ``resume=True`` skips
 finished stages and continues the unfinished one. With several devices every rank runs `train`;
 rank 0 alone prepares the run directory and writes files (`ilcp.training.distributed`).
+``ILCP_TEST_KILL_AFTER=STAGE`` is a testing hook: the process SIGKILLs itself once STAGE is done.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,16 +100,20 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
         train_rows, val_rows = prepare_data(cfg, lm)
+    _stage_done("data")
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
     if "ilcp" in cfg.handoff.variants:
         encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
+        _stage_done("compressor")
         if cfg.reconstruct.steps > 0:
             reconstruct_metrics = train_reconstruction(cfg, lm, encoder, train_rows, val_rows, resume)
+            _stage_done("reconstruct")
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     sources, variant_metrics = {}, {}
     for variant in cfg.handoff.variants:
         sources[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, encoder, resume)
         say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
+        _stage_done(variant)
     metrics = {
         "compressor": compressor_metrics, "reconstruct": reconstruct_metrics, "variants": variant_metrics,
         "total_seconds": round(time.perf_counter() - t_start, 1),
@@ -116,6 +123,13 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
         export.export_run(cfg, lm, sources, metrics)
     say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
+
+
+def _stage_done(name: str) -> None:
+    """Testing hook: with ``ILCP_TEST_KILL_AFTER=NAME`` the process kills itself (SIGKILL) once stage
+    NAME (data, compressor, reconstruct, or a variant) is done, as a crash there would."""
+    if os.environ.get("ILCP_TEST_KILL_AFTER") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # settings a resumed run may change: they do not change what it trains
