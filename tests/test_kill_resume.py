@@ -91,3 +91,19 @@ def test_a_run_killed_after_a_stage_resumes_there(boundary, tmp_path, uninterrup
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=0, msg=f"{name}: {key}")
     assert run.config["digests"].keys() == reference.config["digests"].keys()
+
+
+def test_a_stage_resumed_from_its_checkpoint_keeps_the_validation_rows_logged_before(tmp_path, tiny_lm):
+    """Lightning's CSV logger deletes a stage's metrics.csv when it starts again: the rows of the
+    interrupted attempt are kept beside it and stay in the stage's curve."""
+    base = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[prompt_tuned]"]
+    first = train(load_config(TINY, base), lm=tiny_lm)
+    stage, logs = first.run_dir / "stages" / "prompt_tuned", first.run_dir / "logs" / "prompt_tuned"
+    assert [r["step"] for r in first.metrics["variants"]["prompt_tuned"]["curve"]] == [2, 4]
+    for name in ("prompt_tuned.safetensors", "metrics.json"):  # interrupted after its last checkpoint
+        (stage / name).unlink()
+    resumed = train(load_config(TINY, base + ["handoff.max_steps=8"]), lm=tiny_lm, resume=True)
+    curve = resumed.metrics["variants"]["prompt_tuned"]["curve"]
+    assert [r["step"] for r in curve] == [2, 4, 6, 8]
+    assert curve[:2] == first.metrics["variants"]["prompt_tuned"]["curve"]
+    assert sorted(p.name for p in logs.glob("metrics*.csv")) == ["metrics.0.csv", "metrics.csv"]

@@ -28,7 +28,7 @@ from ..lm import LM
 from ..pooling import AttentionPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
-from .log import last_checkpoint, make_trainer, parameter_counts, say
+from .log import keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, say
 
 
 def question_features(lm: LM, questions: list[str]) -> Tensor:
@@ -187,7 +187,10 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), save_last=True, save_top_k=0)
     trainer = make_trainer(cfg, stage_dir, "compressor", [ckpt], max_epochs=c.epochs,
                            check_val_every_n_epoch=max(1, c.epochs // 6))
-    trainer.fit(module, loader, val_loader, ckpt_path=last_checkpoint(stage_dir) if resume else None)
+    last = last_checkpoint(stage_dir) if resume else None
+    if last is not None:
+        keep_earlier_log(cfg, "compressor")
+    trainer.fit(module, loader, val_loader, ckpt_path=last)
     if pooler is not None:
         pooler.requires_grad_(True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -33,7 +33,7 @@ from ..metrics import exact_match
 from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from .distributed import broadcast, is_main, reduce_sum, save_stage
-from .log import checkpoint_state, last_checkpoint, make_trainer, parameter_counts, read_curve, say
+from .log import checkpoint_state, keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, read_curve, say
 
 def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
     """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
@@ -269,6 +269,7 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
     last = last_checkpoint(stage_dir) if resume else None
     if last is not None:
         say(f"{name}: resuming from {last}")
+        keep_earlier_log(cfg, name)
     with warnings.catch_warnings():
         # The frozen LM is in eval mode on purpose (see HandoffModule.train).
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")

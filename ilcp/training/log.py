@@ -41,18 +41,34 @@ def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> 
     )
 
 
+def _earlier_logs(folder: Path) -> list[Path]:
+    """The CSV logs of a stage's interrupted attempts (metrics.N.csv), oldest first."""
+    found = [p for p in folder.glob("metrics.*.csv") if p.name.split(".")[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split(".")[1]))
+
+
+def keep_earlier_log(cfg, name: str) -> None:
+    """Before a stage resumes from its checkpoint: Lightning's CSV logger deletes ``metrics.csv``
+    when it starts, so the rows logged before the interruption move to ``metrics.N.csv``
+    (`read_curve` reads them too)."""
+    folder = cfg.run_dir / "logs" / name
+    current = folder / "metrics.csv"
+    if is_main() and current.is_file():
+        current.rename(folder / f"metrics.{len(_earlier_logs(folder))}.csv")
+
+
 def read_curve(cfg, name: str) -> list[dict]:
-    """Validation rows of a stage's CSV log: [{step, val/loss, val/exact_match, ...}]."""
-    path = cfg.run_dir / "logs" / name / "metrics.csv"
-    if not path.is_file():
-        return []
+    """Validation rows of a stage's CSV logs, a resumed stage's earlier ones included:
+    [{step, val/loss, val/exact_match, ...}], a step validated again keeping its last values."""
+    folder = cfg.run_dir / "logs" / name
     rows = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            vals = {k: float(v) for k, v in r.items() if k.startswith("val/") and v not in ("", None)}
-            if vals:
-                step = vals.pop("val/step", float(r["step"]))  # the optimizer step validated
-                rows.append({"step": int(step), **vals})
+    for path in _earlier_logs(folder) + [p for p in (folder / "metrics.csv",) if p.is_file()]:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                vals = {k: float(v) for k, v in r.items() if k.startswith("val/") and v not in ("", None)}
+                if vals:
+                    step = vals.pop("val/step", float(r["step"]))  # the optimizer step validated
+                    rows.append({"step": int(step), **vals})
     merged: dict[int, dict] = {}
     for r in rows:
         merged.setdefault(r["step"], {}).update(r)
