@@ -82,7 +82,8 @@ class CompressorConfig:
     epochs: int = _f(30, "stage-1 epochs over the training pooled states")
     batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
-    pooling: str = _f("attention", "sender summary: 'attention' (learned queries) or 'mean' (masked mean, the spec)")
+    pooling: str = _f("attention", "sender summary: 'attention' (learned queries), 'mean' (masked mean, the spec) "
+                                   "or 'concat' (with chunk_tokens: a chunk's token states side by side)")
     chunk_tokens: int = _f(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
                               "payload grows with the context (0 = one latent per context, the spec)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
@@ -102,6 +103,8 @@ class CompressorConfig:
             raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"compressor.pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        if self.pooling == "concat" and self.chunk_tokens < 1:
+            raise ValueError("compressor.pooling=concat needs compressor.chunk_tokens >= 1 (it reads chunks)")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
             raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
 
@@ -150,10 +153,29 @@ class ReconstructConfig:
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
     val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end")
     max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)")
+    token_steps: int = _f(0, "steps of the token loss alone, before the reconstruction steps: no LM forward, so "
+                             "cheap (needs compressor.chunk_tokens = handoff.num_memory_tokens)")
+    token_weight: float = _f(0.0, "weight of the token loss added to the reconstruction loss: memory vector j of a "
+                                  "chunk should read as the chunk's j-th token (0 = none)")
+    token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step")
+    random_texts: int = _f(0, "unlabelled texts of random vocabulary words added to the stage's training contexts "
+                              "(no token of a held-out facts value is drawn)")
+    random_words: int = _f(12, "words per random text")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the stage runs."""
+        return self.steps + self.token_steps > 0
 
     def __post_init__(self):
-        if self.steps < 0:
-            raise ValueError(f"reconstruct.steps must be >= 0, got {self.steps}")
+        if self.steps < 0 or self.token_steps < 0 or self.random_texts < 0:
+            raise ValueError(f"reconstruct.steps, token_steps and random_texts must be >= 0, got {self.steps}, "
+                             f"{self.token_steps} and {self.random_texts}")
+        if self.token_weight < 0:
+            raise ValueError(f"reconstruct.token_weight must be >= 0, got {self.token_weight}")
+        for name in ("token_candidates", "random_words"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_size", "val_every_steps", "max_target_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
@@ -206,12 +228,16 @@ class TrainConfig:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
         c = self.compressor
         if (c.pooling == "attention" and "ilcp" in self.handoff.variants
-                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0 or self.reconstruct.steps > 0)):
+                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0 or self.reconstruct.enabled)):
             raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true, "
                              "compressor.answer_head_weight > 0 or reconstruct.steps > 0 (nothing else teaches the "
                              "pooler's queries)")
-        if self.reconstruct.steps > 0 and "ilcp" not in self.handoff.variants:
+        if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
+        if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (
+                self.compressor.chunk_tokens > 0 and self.handoff.num_memory_tokens == self.compressor.chunk_tokens):
+            raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk as its j-th token: "
+                             "they need compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
         if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
             raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
 

@@ -29,10 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from .compressor import BetaVAE, kl_divergence
-from .pooling import AttentionPooler, masked_mean_pool
+from .pooling import AttentionPooler, ConcatPooler, masked_mean_pool
 from .projector import GatedLatentToMemoryProjector
 
-POOLING_KINDS = ("mean", "attention")
+POOLING_KINDS = ("mean", "attention", "concat")
+Pooler = AttentionPooler | ConcatPooler
 
 
 class ILCPEncoder(nn.Module):
@@ -41,7 +42,8 @@ class ILCPEncoder(nn.Module):
     Args:
         vae: the beta-VAE (its input width is the pooled state's width).
         projector: z (B, Z) -> memory (B, K, H); None while only stage 1 has run.
-        pooler: learned attention pooling over token states; None for the masked mean.
+        pooler: learned attention pooling over token states, a `ConcatPooler` (chunks only:
+            the chunk's token states side by side), or None for the masked mean.
         chunk_tokens: C > 0: one latent per chunk of C tokens; 0: one latent per context.
 
     Raises:
@@ -51,11 +53,14 @@ class ILCPEncoder(nn.Module):
     reads_context_text = False
 
     def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None = None,
-                 pooler: AttentionPooler | None = None, chunk_tokens: int = 0):
+                 pooler: Pooler | None = None, chunk_tokens: int = 0):
         super().__init__()
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be an int >= 0, got {chunk_tokens!r}")
         self.chunk_tokens = chunk_tokens
+        if isinstance(pooler, ConcatPooler) and pooler.chunk_tokens != chunk_tokens:
+            raise ValueError(f"concat pooling reads chunks of {pooler.chunk_tokens} tokens, the encoder cuts "
+                             f"{chunk_tokens} (0 = no chunks)")
         if pooler is not None and pooler.output_dim != vae.input_dim:
             raise ValueError(f"the pooler gives {pooler.output_dim} floats, the VAE reads {vae.input_dim}")
         if projector is not None and projector.latent_dim != vae.latent_dim:
@@ -67,8 +72,8 @@ class ILCPEncoder(nn.Module):
 
     @property
     def pooling(self) -> str:
-        """"mean" or "attention"."""
-        return "mean" if self.pooler is None else "attention"
+        """"mean", "attention" or "concat"."""
+        return "mean" if self.pooler is None else self.pooler.kind
 
     @property
     def state_dim(self) -> int:
@@ -216,7 +221,7 @@ class ConstantMemory(nn.Module):
 MemorySource = ILCPEncoder | ConstantMemory
 
 
-def pool_states(pooler: AttentionPooler | None, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+def pool_states(pooler: Pooler | None, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Token states (B, S, D) with their mask (B, S) -> pooled (B, D') float32: the masked mean
     (pooler None) or the attention pooler's output.
 
@@ -227,7 +232,7 @@ def pool_states(pooler: AttentionPooler | None, states: Tensor, attention_mask: 
         if states.dim() != 2:
             raise ValueError(f"token states (batch, seq, dim) need their attention mask, got {tuple(states.shape)}")
         if pooler is not None:
-            raise ValueError("this encoder pools with attention: give it token states and their mask, not pooled states")
+            raise ValueError(f"this encoder pools with {pooler.kind}: give it token states and their mask, not pooled states")
         return states.float()
     if pooler is not None:
         return pooler(states, attention_mask)
@@ -254,7 +259,7 @@ def split_chunks(states: Tensor, attention_mask: Tensor, chunk_tokens: int) -> t
     return states.reshape(b * n, chunk_tokens, d), chunk_mask, chunk_mask.reshape(b, n, chunk_tokens).bool().any(-1)
 
 
-def pool_units(pooler: AttentionPooler | None, chunk_tokens: int, states: Tensor,
+def pool_units(pooler: Pooler | None, chunk_tokens: int, states: Tensor,
                attention_mask: Tensor | None = None) -> Tensor:
     """Pooled states of every latent unit: contexts (B, D'), or with ``chunk_tokens > 0`` the
     chunks that hold a token (U, D'), row-major."""

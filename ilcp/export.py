@@ -36,7 +36,7 @@ from . import __version__
 from .compressor import BetaVAE
 from .encoder import POOLING_KINDS, ConstantMemory, ILCPEncoder, MemorySource
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from .pooling import AttentionPooler
+from .pooling import AttentionPooler, ConcatPooler
 from .projector import GatedLatentToMemoryProjector
 
 EXPORT_FORMAT = "ilcp-export"
@@ -81,7 +81,7 @@ def load_encoder_state(encoder: ILCPEncoder, state: dict[str, Tensor], *, source
                 raise ExportError(f"{source} hold {prefix}.* tensors, but the config names no {prefix}")
             continue
         if not tensors:
-            if prefix == "projector":
+            if prefix == "projector" or not part.state_dict():  # a parameter-free pooler has no tensors
                 continue
             raise ExportError(f"{source} hold no {prefix}.* tensors")
         _check_tensors(tensors, part.state_dict(), f"{source}: {prefix}")
@@ -150,7 +150,7 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     """The config.json entries that rebuild `encoder` (see `build_encoder`)."""
     vae, projector = encoder.vae, encoder._projector()
     pooling = {"kind": encoder.pooling, "layers": [int(i) for i in layers], "max_length": int(max_length)}
-    if encoder.pooler is not None:
+    if encoder.pooling == "attention":
         pooling["num_queries"] = encoder.pooler.num_queries
     if encoder.chunked:
         pooling["chunk_tokens"] = encoder.chunk_tokens
@@ -277,7 +277,7 @@ def _check_save_target(path: Path) -> None:
 
 
 def pooling_kind(config: dict) -> str:
-    """The export's pooling kind, "mean" or "attention" (exports of 0.1 said "masked_mean")."""
+    """The export's pooling kind, "mean", "attention" or "concat" (exports of 0.1 said "masked_mean")."""
     kind = config.get("pooling", {}).get("kind", "mean")
     kind = "mean" if kind == "masked_mean" else kind
     if kind not in POOLING_KINDS:
@@ -289,10 +289,12 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
     """The `ILCPEncoder` an export's config describes, with `state`'s weights when given, in eval mode."""
     pooling = config.get("pooling", {})
     c = config["compressor"]
-    pooler = None
-    if pooling_kind(config) == "attention":
-        dim = config["lm"]["hidden_size"] * len(pooling.get("layers", [-1]))
+    pooler, kind = None, pooling_kind(config)
+    dim = config["lm"]["hidden_size"] * len(pooling.get("layers", [-1]))
+    if kind == "attention":
         pooler = AttentionPooler(dim, int(pooling["num_queries"]))
+    elif kind == "concat":
+        pooler = ConcatPooler(dim, int(pooling.get("chunk_tokens", 0)))
     encoder = ILCPEncoder(
         BetaVAE(c["input_dim"], config["latent_dim"], c["hidden_dim"], c["beta"]),
         GatedLatentToMemoryProjector(config["latent_dim"], config["num_memory_tokens"], config["lm"]["hidden_size"],
@@ -408,7 +410,8 @@ def _check_schema(config: dict, where: Path) -> None:
             raise ExportError(f"{where}: {e}") from None
         if kind == "attention":
             _field(config, "pooling.num_queries", int, where, minimum=1)
-        _field(config, "pooling.chunk_tokens", int, where, minimum=0, required=False)
+        _field(config, "pooling.chunk_tokens", int, where, minimum=1 if kind == "concat" else 0,
+               required=kind == "concat")
 
 
 def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Tensor]:

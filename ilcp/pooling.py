@@ -81,6 +81,8 @@ class AttentionPooler(nn.Module):
         num_queries: Q; the output is (B, Q * D).
     """
 
+    kind = "attention"
+
     def __init__(self, dim: int, num_queries: int = 4):
         super().__init__()
         if int(dim) < 1 or int(num_queries) < 1:
@@ -116,6 +118,46 @@ class AttentionPooler(nn.Module):
         with torch.autocast(states.device.type, enabled=False):
             pooled = torch.einsum("bsq,bsd->bqd", w, states.float())
         return pooled.reshape(states.shape[0], self.output_dim)
+
+
+class ConcatPooler(nn.Module):
+    """A chunk's token states side by side: (B, C', D) with mask (B, C'), C' <= C -> (B, C * D).
+
+    Parameter-free and order-keeping: where a learned pooler sums a chunk's tokens into one
+    state, this one hands the VAE every token state of the chunk in place (padding and missing
+    positions are zeros), so a latent can carry which token stood where. It reads chunks only
+    (`ILCPEncoder` with ``chunk_tokens = C``); the VAE then reads C * D floats.
+
+    Args:
+        dim: D, the width of a token state (hidden size x number of layers).
+        chunk_tokens: C, the tokens of one chunk.
+    """
+
+    kind = "concat"
+
+    def __init__(self, dim: int, chunk_tokens: int):
+        super().__init__()
+        if int(dim) < 1 or int(chunk_tokens) < 1:
+            raise ValueError(f"dim and chunk_tokens must be >= 1, got {dim} and {chunk_tokens}")
+        self.dim, self.chunk_tokens = int(dim), int(chunk_tokens)
+
+    @property
+    def output_dim(self) -> int:
+        return self.dim * self.chunk_tokens
+
+    def forward(self, states: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, C', D) token states and (B, C') mask -> (B, C * D) float32."""
+        if states.dim() != 3 or states.shape[-1] != self.dim or states.shape[1] > self.chunk_tokens:
+            raise ValueError(f"chunk states must be (batch, <= {self.chunk_tokens}, {self.dim}), "
+                             f"got {tuple(states.shape)}")
+        if attention_mask.shape != states.shape[:2]:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match token states {tuple(states.shape)}"
+            )
+        with torch.autocast(states.device.type, enabled=False):
+            kept = states.float() * attention_mask.to(torch.float32).unsqueeze(-1)
+            kept = F.pad(kept, (0, 0, 0, self.chunk_tokens - states.shape[1]))
+        return kept.reshape(states.shape[0], self.output_dim)
 
 
 def layer_states(outputs, layers: Sequence[int] = (-1,)) -> Tensor:

@@ -25,7 +25,7 @@ from ..compressor import BetaVAE, active_units
 from ..config import CompressorConfig, TrainConfig
 from ..encoder import ILCPEncoder, sender_states_of
 from ..lm import LM
-from ..pooling import AttentionPooler
+from ..pooling import AttentionPooler, ConcatPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
 from .log import keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, say
@@ -144,11 +144,14 @@ class CompressorModule(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr)
 
 
-def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | None:
-    """The untrained attention pooler of the config (None for the mean pool)."""
-    if cfg.compressor.pooling != "attention":
-        return None
-    return AttentionPooler(state_dim, cfg.compressor.pool_queries)
+def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:
+    """The config's pooler: an untrained attention pooler, a concat pooler, or None (the mean)."""
+    c = cfg.compressor
+    if c.pooling == "attention":
+        return AttentionPooler(state_dim, c.pool_queries)
+    if c.pooling == "concat":
+        return ConcatPooler(state_dim, c.chunk_tokens)
+    return None
 
 
 def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffRows,

@@ -15,6 +15,7 @@ import json
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -22,7 +23,7 @@ from .. import export, prompts
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
 from ..lm import LM
-from ..pooling import TokenStates
+from ..pooling import TokenStates, tokenize_contexts
 from .data import HandoffDataModule, HandoffRows
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
@@ -46,6 +47,16 @@ def distinct_contexts(rows: HandoffRows) -> HandoffRows:
     return HandoffRows([{"context": rows.rows[i]["context"], "question": "", "answer": ""} for i in keep], states)
 
 
+def concat_rows(a: HandoffRows, b: HandoffRows) -> HandoffRows:
+    """The rows of `a` then those of `b` (both with token states)."""
+    if not (a.has_token_states and b.has_token_states):
+        raise ValueError("only rows with token states can be joined")
+    parts = [a.states[i] for i in range(len(a))] + [b.states[i] for i in range(len(b))]
+    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.long)
+    states = TokenStates(torch.cat(parts), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+    return HandoffRows(a.rows + b.rows, states)
+
+
 class ReconstructionModule(HandoffModule):
     """[K memory vectors ; reconstruction instruction ; context + end token], labels on the context.
 
@@ -59,15 +70,57 @@ class ReconstructionModule(HandoffModule):
         super().__init__(encoder, lm, cfg.handoff, val_decode_size=0)
         self.reconstruct_cfg = cfg.reconstruct
         self.max_target_tokens = cfg.reconstruct.max_target_tokens
+        self.max_context_tokens = cfg.data.max_length
         self.prompt_ids = lm.tokenizer(prompts.reconstruction_prompt(lm.tokenizer), add_special_tokens=False)["input_ids"]
+        self.token_loss = cfg.reconstruct.token_weight > 0 or cfg.reconstruct.token_steps > 0
+        if self.token_loss and not (encoder.chunked and encoder.num_memory_tokens == encoder.chunk_tokens):
+            raise ValueError("the token loss reads memory vector j of a chunk as its j-th token: it needs "
+                             "compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
+
+    def token_only(self) -> bool:
+        """Whether this training step is one of the first ``token_steps`` (token loss alone)."""
+        return self.training and self.global_step < self.reconstruct_cfg.token_steps
+
+    def context_token_ids(self, contexts: list[str]) -> list[list[int]]:
+        """The tokens the sender's states were computed from (as `ilcp.pooling` tokenizes them)."""
+        return tokenize_contexts(self.tokenizer, contexts, self.max_context_tokens)
+
+    def _token_loss(self, memory: list[Tensor], contexts: list[str]) -> tuple[Tensor, Tensor]:
+        """(loss, accuracy): memory vector j of each chunk read as the chunk's j-th context token.
+
+        The loss is a cross-entropy through the LM's input-embedding table (the row of the token
+        against the batch's other tokens and sampled ones, or every row in validation) plus the
+        cosine distance to that row, so the memory vectors stand where the tokens' own embeddings
+        stand. With ``K = C`` vectors per chunk, a row's memory is one vector per context
+        position, padding of its last chunk left out. Accuracy: argmax over the candidates.
+        """
+        table = self.lm.get_input_embeddings().weight
+        vectors, targets = [], []
+        for m, ids in zip(memory, self.context_token_ids(contexts)):
+            n = min(len(ids), m.shape[0])
+            vectors.append(m[:n].float())
+            targets.append(torch.tensor(ids[:n], device=table.device))
+        vectors, targets = torch.cat(vectors), torch.cat(targets)
+        if self.training:
+            sampled = torch.randint(0, table.shape[0], (self.reconstruct_cfg.token_candidates,), device=table.device)
+            candidates = torch.unique(torch.cat([targets, sampled]))
+        else:
+            candidates = torch.arange(table.shape[0], device=table.device)
+        rows = table[candidates].float()
+        logits = vectors @ rows.T
+        index = torch.searchsorted(candidates, targets)
+        cosine = F.cosine_similarity(vectors, table[targets].float(), dim=-1)
+        loss = F.cross_entropy(logits, index) + (1.0 - cosine).mean()
+        accuracy = (logits.argmax(-1) == index).float().mean()
+        return loss, accuracy
 
     def target_ids(self, context: str) -> list[int]:
         """The context's tokens and the end token; a long context keeps its first tokens."""
         ids = self.tokenizer(prompts.answer_text(context, self.tokenizer), add_special_tokens=False)["input_ids"]
         return ids[: self.max_target_tokens]
 
-    def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
-        memory, kl = self.memory(batch)
+    def _teacher_forced(self, batch, memory=None) -> tuple[Tensor, Tensor]:
+        memory, kl = self.memory(batch) if memory is None else memory
         embed = self.lm.get_input_embeddings()
         device = embed.weight.device
         sequences, labels = [], []
@@ -79,25 +132,41 @@ class ReconstructionModule(HandoffModule):
         return self._loss_on_tail(sequences, labels)[0], kl
 
     def training_step(self, batch, batch_idx):
-        loss, kl = self._teacher_forced(batch)
-        self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=len(batch["context"]))
+        r, n = self.reconstruct_cfg, len(batch["context"])
+        if self.token_only():
+            memory, _ = self.memory(batch)
+            loss, accuracy = self._token_loss(memory, batch["context"])
+            self.log_dict({"train/token_loss": loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
+            return loss
+        memory = self.memory(batch)
+        loss, kl = self._teacher_forced(batch, memory)
+        self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=n)
+        if r.token_weight > 0:
+            token_loss, accuracy = self._token_loss(memory[0], batch["context"])
+            self.log_dict({"train/token_loss": token_loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
+            loss = loss + r.token_weight * token_loss
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss, _ = self._teacher_forced(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["context"]), sync_dist=True)
+        memory = self.memory(batch)
+        loss, _ = self._teacher_forced(batch, memory)
+        n = len(batch["context"])
+        self.log("val/loss", loss, prog_bar=True, batch_size=n, sync_dist=True)
+        if self.token_loss:
+            self.log("val/token_acc", self._token_loss(memory[0], batch["context"])[1], batch_size=n, sync_dist=True)
 
     def kl_in_loss(self) -> bool:
         return False
 
     def configure_optimizers(self):
         r = self.reconstruct_cfg
-        return self._adamw(self.source.parameter_groups(r.lr, r.encoder_lr), r.steps, r.warmup_steps)
+        return self._adamw(self.source.parameter_groups(r.lr, r.encoder_lr), r.token_steps + r.steps, r.warmup_steps)
 
 
 def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: HandoffRows, val: HandoffRows,
-                         resume: bool) -> dict:
-    """Run the reconstruction stage on `encoder` in place (it gets its projector here); metrics."""
+                         resume: bool, extra: HandoffRows | None = None) -> dict:
+    """Run the reconstruction stage on `encoder` in place (it gets its projector here); metrics.
+    `extra`: unlabelled rows (random texts) trained on alongside the task's distinct contexts."""
     r = cfg.reconstruct
     stage_dir = cfg.run_dir / "stages" / STAGE
     done = stage_dir / f"{STAGE}.safetensors"
@@ -108,16 +177,19 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
         say("reconstruction: finished earlier, loaded")
         return json.loads((stage_dir / "metrics.json").read_text())
     train_ctx, val_ctx = distinct_contexts(train), distinct_contexts(val)
+    if extra is not None and len(extra):
+        train_ctx = concat_rows(train_ctx, extra)
     module = ReconstructionModule(encoder, lm, cfg)
     tr, fr = parameter_counts(module)
     say(f"reconstruction: {len(train_ctx)} distinct contexts ({len(val_ctx)} validation); {tr:,} trainable "
-        f"parameters, {fr:,} frozen; {r.steps} steps of batch {r.batch_size}")
+        f"parameters, {fr:,} frozen; {r.token_steps} token-loss steps, then {r.steps} steps of batch {r.batch_size}")
     data = HandoffDataModule(train_ctx, val_ctx, r.batch_size, cfg.trainer.seed)
     steps, seconds, curve, best = fit_stage(cfg, STAGE, module, data, resume, monitor="val/loss", mode="min",
-                                            max_steps=r.steps, val_every_steps=r.val_every_steps)
+                                            max_steps=r.token_steps + r.steps, val_every_steps=r.val_every_steps)
     metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx),
                "best_step": best.get("step"), "best_val_loss": best.get("val/loss"),
-               "first_val_loss": curve[0].get("val/loss") if curve else None, "curve": curve}
+               "first_val_loss": curve[0].get("val/loss") if curve else None,
+               "last_val_token_acc": curve[-1].get("val/token_acc") if curve else None, "curve": curve}
     save_stage(stage_dir / "metrics.json", metrics, done, export.encoder_state(encoder))
     say(f"reconstruction: validation loss {metrics['first_val_loss']} at step {curve[0]['step'] if curve else '-'}, "
         f"best {metrics['best_val_loss']} at step {metrics['best_step']}")

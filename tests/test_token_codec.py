@@ -1,0 +1,130 @@
+"""Concat pooling, the token loss of the reconstruction stage and random-word texts, on the tiny LM."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ilcp.compressor import BetaVAE
+from ilcp.config import load_config
+from ilcp.encoder import ILCPEncoder
+from ilcp.export import ExportError, build_encoder, encoder_state, read_config
+from ilcp.handoff import ILCPHandoff
+from ilcp.pooling import ConcatPooler, token_states
+from ilcp.tasks import fact_values
+from ilcp.training import ReconstructionModule, train
+from ilcp.training.data import HandoffRows, collate_rows, heldout_values, random_word_texts, word_tokens
+from ilcp.training.handoff_stage import attach_projector
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+CONTEXTS = ["Cedar is owned by Alice.", "Maple is owned by Bruno.", "Willow is owned by Chen.",
+            "John went to the garden. Mary is in the hall."]
+CODEC = ["compressor.chunk_tokens=4", "compressor.pooling=concat", "compressor.answer_head_weight=0",
+         "handoff.num_memory_tokens=4"]
+
+
+def test_concat_pooler_keeps_each_token_in_its_place_and_zeros_padding():
+    pooler = ConcatPooler(dim=3, chunk_tokens=4)
+    states = torch.arange(2 * 3 * 3, dtype=torch.float32).view(2, 3, 3)  # chunks shorter than 4
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    out = pooler(states, mask)
+    assert out.shape == (2, 12)
+    assert torch.equal(out[0, :9], states[0].reshape(-1)) and torch.equal(out[0, 9:], torch.zeros(3))
+    assert torch.equal(out[1, :3], states[1, 0]) and torch.equal(out[1, 3:], torch.zeros(9))
+    swapped = pooler(states[:, [1, 0, 2]], torch.ones(2, 3))
+    assert not torch.equal(swapped[0], pooler(states, torch.ones(2, 3))[0])  # order is kept, unlike a mean
+    with pytest.raises(ValueError, match="chunk states"):
+        pooler(torch.zeros(1, 5, 3), torch.ones(1, 5))
+
+
+def test_concat_pooling_needs_chunks_of_its_size():
+    with pytest.raises(ValueError, match="concat pooling reads chunks of 4"):
+        ILCPEncoder(BetaVAE(12, 8, 16), pooler=ConcatPooler(3, 4), chunk_tokens=2)
+    with pytest.raises(ValueError, match="chunk_tokens >= 1"):
+        load_config(TINY_CONFIG, ["compressor.pooling=concat", "compressor.answer_head_weight=0"])
+
+
+def test_the_token_loss_needs_one_memory_vector_per_chunk_token():
+    with pytest.raises(ValueError, match="num_memory_tokens equal to it"):
+        load_config(TINY_CONFIG, CODEC[:-1] + ["handoff.num_memory_tokens=2", "reconstruct.token_steps=5"])
+    with pytest.raises(ValueError, match="num_memory_tokens equal to it"):
+        load_config(TINY_CONFIG, ["reconstruct.token_weight=1"])
+    cfg = load_config(TINY_CONFIG, CODEC + ["reconstruct.token_steps=5"])
+    assert cfg.reconstruct.enabled and cfg.reconstruct.steps == 0
+
+
+def _codec(tiny_lm, cfg):
+    pooler = ConcatPooler(tiny_lm.hidden_size, 4)
+    return attach_projector(ILCPEncoder(BetaVAE(pooler.output_dim, 16, 64), pooler=pooler, chunk_tokens=4),
+                            cfg.handoff, tiny_lm)
+
+
+def test_the_token_loss_teaches_memory_vectors_to_read_as_the_context_tokens(tiny_lm):
+    torch.manual_seed(0)
+    cfg = load_config(TINY_CONFIG, CODEC + ["reconstruct.token_steps=1", "reconstruct.token_candidates=64"])
+    encoder = _codec(tiny_lm, cfg)
+    module = ReconstructionModule(encoder, tiny_lm, cfg)
+    rows = HandoffRows([{"context": c, "question": "", "answer": ""} for c in CONTEXTS],
+                       token_states(tiny_lm, CONTEXTS, progress=False))
+    batch = collate_rows([rows[i] for i in range(len(rows))])
+    module.eval()  # scores against the whole vocabulary
+    memory, _ = module.memory(batch)
+    ids = module.context_token_ids(CONTEXTS)
+    assert [m.shape[0] for m in memory] == [-(-len(i) // 4) * 4 for i in ids]  # K = C vectors per chunk
+    loss0, acc0 = module._token_loss(memory, CONTEXTS)
+    module.train()
+    opt = torch.optim.AdamW(encoder.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss, _ = module._token_loss(module.memory(batch)[0], CONTEXTS)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    module.eval()
+    with torch.no_grad():
+        loss1, acc1 = module._token_loss(module.memory(batch)[0], CONTEXTS)
+    assert float(loss1) < float(loss0) - 1.0 and float(acc1) > 0.9 > float(acc0), (loss0, loss1, acc0, acc1)
+    assert not any(p.grad is not None for p in tiny_lm.model.parameters())
+
+
+def test_random_word_texts_are_seeded_and_never_draw_a_heldout_value():
+    from ilcp.lm import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    pool = set(word_tokens(tok))
+    assert len(pool) >= 16
+    a = random_word_texts(tok, 20, 6, seed=1)
+    assert a == random_word_texts(tok, 20, 6, seed=1) and a != random_word_texts(tok, 20, 6, seed=2)
+    assert all(t.endswith(".") and len(t.split()) == 6 for t in a)
+    # excluding a word removes every token that spells it, with or without its capital or space
+    word = tok.decode([sorted(pool)[0]]).strip()
+    kept = set(word_tokens(tok, [word]))
+    assert sorted(pool)[0] not in kept and kept < pool
+    held = heldout_values()
+    assert set(fact_values("person", "heldout")) <= set(held) and not set(fact_values("person", "train")) & set(held)
+
+
+def test_a_concat_codec_run_exports_reloads_and_sends_one_latent_per_chunk(tmp_path, tiny_lm):
+    result = train(load_config(TINY_CONFIG, CODEC + [
+        f"out_dir={tmp_path}", "run_name=codec", "trainer.progress=false", "reconstruct.token_steps=3",
+        "reconstruct.steps=2", "reconstruct.token_weight=0.5", "reconstruct.random_texts=8",
+        "reconstruct.val_every_steps=5", "handoff.variants=[ilcp]"]), lm=tiny_lm)
+    config = read_config(result.run_dir)
+    assert config["pooling"]["kind"] == "concat" and config["pooling"]["chunk_tokens"] == 4
+    metrics = result.metrics["reconstruct"]
+    assert metrics["steps"] == 5 and metrics["contexts"] > 8 and metrics["last_val_token_acc"] is not None
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    context = "Mary moved to the bathroom. John went to the hallway."
+    n_tokens = len(tiny_lm.tokenizer(context, add_special_tokens=False)["input_ids"])
+    sent = handoff.send(context)
+    assert tuple(sent.latent.shape) == (-(-n_tokens // 4), config["latent_dim"])
+    assert isinstance(handoff.receive(sent.to_bytes(), "Where is John?"), str)
+    rebuilt = build_encoder(config, encoder_state(handoff.encoder))
+    assert rebuilt.pooling == "concat" and not any(k.startswith("pooler.") for k in encoder_state(rebuilt))
+    tampered = tmp_path / "tampered"
+    shutil.copytree(result.run_dir, tampered)
+    bad = dict(config, pooling={k: v for k, v in config["pooling"].items() if k != "chunk_tokens"})
+    (tampered / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ExportError, match="chunk_tokens"):
+        read_config(tampered)
