@@ -158,9 +158,9 @@ class ReconstructConfig:
     token_weight: float = _f(0.0, "weight of the token loss added to the reconstruction loss: memory vector j of a "
                                   "chunk should read as the chunk's j-th token (0 = none)")
     token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step")
-    random_texts: int = _f(0, "unlabelled texts of random vocabulary words added to the stage's training contexts "
-                              "(no token of a held-out facts value is drawn)")
-    random_words: int = _f(12, "words per random text")
+    random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
+                              "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
+    random_words: int = _f(12, "whole-word tokens per random text")
 
     @property
     def enabled(self) -> bool:

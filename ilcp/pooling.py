@@ -256,13 +256,33 @@ def pad_id_of(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
+@torch.no_grad()
+def first_state_is_embedding(model: nn.Module) -> bool:
+    """Whether ``hidden_states[0]`` of `model` equals its input-embedding lookup (Llama and Qwen
+    models; not those that scale or mix embeddings first). Checked on a few tokens, cached on
+    the model."""
+    known = getattr(model, "_ilcp_first_state_is_embedding", None)
+    if known is None:
+        embed = model.get_input_embeddings()
+        ids = torch.arange(1, 6, device=embed.weight.device).clamp(max=embed.weight.shape[0] - 1).unsqueeze(0)
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False, **logits_to_keep_kwargs(model, 1))
+        known = bool(torch.equal(out.hidden_states[0], embed(ids)))
+        model._ilcp_first_state_is_embedding = known
+    return known
+
+
 def sender_token_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                         layers: Sequence[int] = (-1,)) -> Tensor:
     """The sender's forward over right-padded contexts: the chosen layers' token states,
     concatenated, (B, S, H * len(layers)) in the model's dtype.
 
     The one forward both training extraction and `ILCPHandoff` run; it asks for the logits of
-    one position only, since only hidden states are used."""
+    one position only, since only hidden states are used. When layer 0 alone is asked and the
+    model's first hidden state is its embedding lookup (checked once per model), the lookup is the
+    whole of it: no forward."""
+    if all(i == 0 for i in layers) and first_state_is_embedding(model):
+        rows = model.get_input_embeddings()(input_ids)
+        return torch.cat([rows] * len(layers), dim=-1)
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
                 **logits_to_keep_kwargs(model, 1))
     return layer_states(out, layers)

@@ -8,7 +8,6 @@ Lightning predict loop and its on-disk cache.
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from collections.abc import Sequence
@@ -149,9 +148,6 @@ class HandoffDataModule(L.LightningDataModule):
         return row_loader(self.val, self.batch_size, shuffle=False)
 
 
-RANDOM_TEXTS_VERSION = 1
-
-
 def word_tokens(tokenizer, exclude: Sequence[str] = ()) -> list[int]:
     """Ids of the vocabulary's whole-word tokens (a space and 3+ ASCII letters when decoded), less
     every token of the words in `exclude` (as a sentence spells them: with and without a leading
@@ -172,41 +168,9 @@ def word_tokens(tokenizer, exclude: Sequence[str] = ()) -> list[int]:
     return words
 
 
-def random_word_texts(tokenizer, n: int, words: int, seed: int, exclude: Sequence[str] = ()) -> list[str]:
-    """`n` texts of `words` whole-word tokens drawn uniformly from `word_tokens` (seeded), each
-    ending with a full stop: unlabelled contexts whose every token is as likely as any other, so a
-    compressor trained on them cannot get by on the few values a task repeats.
-
-    Raises ValueError when the vocabulary has fewer than 16 such tokens."""
-    pool = word_tokens(tokenizer, exclude)
-    if len(pool) < 16:
-        raise ValueError(f"the tokenizer has {len(pool)} whole-word tokens (a space and 3+ letters); random texts "
-                         "need at least 16")
-    rng = random.Random(seed)
-    return [tokenizer.decode([rng.choice(pool) for _ in range(words)]).strip() + "." for _ in range(n)]
-
-
 def heldout_values() -> list[str]:
     """Every value the facts task holds out of training (`ilcp.tasks.fact_values`)."""
     return [v for name in FACT_VOCABULARIES for v in fact_values(name, "heldout")]
-
-
-def prepare_random_texts(cfg: TrainConfig, lm: LM) -> HandoffRows:
-    """``reconstruct.random_texts`` random-word texts (`random_word_texts`, held-out facts values
-    excluded) with their cached sender token states, as unlabelled rows."""
-    r = cfg.reconstruct
-    texts = random_word_texts(lm.tokenizer, r.random_texts, r.random_words, cfg.data.seed, heldout_values())
-    key = {"task": "random-words", "version": RANDOM_TEXTS_VERSION, "n": r.random_texts, "words": r.random_words,
-           "seed": cfg.data.seed, "exclude": "facts-heldout-values"}
-    t0 = time.perf_counter()
-    states, path, hit = cached_token_states(
-        lm, texts, [f"random-words-{i}" for i in range(len(texts))], key, cache_dir=cfg.lm.cache_dir,
-        max_length=cfg.data.max_length, layers=cfg.data.pool_layers, batch_size=cfg.data.pool_batch_size,
-        progress=cfg.trainer.progress,
-    )
-    say(f"random texts: {len(texts)} of {r.random_words} words; token states "
-        f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
-    return HandoffRows([{"context": t, "question": "", "answer": ""} for t in texts], states)
 
 
 def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:

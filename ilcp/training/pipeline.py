@@ -31,7 +31,7 @@ from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
-from .data import HandoffDataModule, prepare_data, prepare_random_texts
+from .data import HandoffDataModule, prepare_data
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import train_variant
 from .reconstruction_stage import train_reconstruction
@@ -100,14 +100,13 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
         train_rows, val_rows = prepare_data(cfg, lm)
-        random_rows = prepare_random_texts(cfg, lm) if cfg.reconstruct.enabled and cfg.reconstruct.random_texts else None
     _stage_done("data")
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
     if "ilcp" in cfg.handoff.variants:
         encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
         _stage_done("compressor")
         if cfg.reconstruct.enabled:
-            reconstruct_metrics = train_reconstruction(cfg, lm, encoder, train_rows, val_rows, resume, random_rows)
+            reconstruct_metrics = train_reconstruction(cfg, lm, encoder, train_rows, val_rows, resume)
             _stage_done("reconstruct")
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     sources, variant_metrics = {}, {}

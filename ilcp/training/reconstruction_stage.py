@@ -23,8 +23,8 @@ from .. import export, prompts
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
 from ..lm import LM
-from ..pooling import TokenStates, tokenize_contexts
-from .data import HandoffDataModule, HandoffRows
+from ..pooling import TokenStates, sender_token_states, tokenize_contexts
+from .data import HandoffDataModule, HandoffRows, heldout_values, word_tokens
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
 from .log import parameter_counts, say
@@ -47,16 +47,6 @@ def distinct_contexts(rows: HandoffRows) -> HandoffRows:
     return HandoffRows([{"context": rows.rows[i]["context"], "question": "", "answer": ""} for i in keep], states)
 
 
-def concat_rows(a: HandoffRows, b: HandoffRows) -> HandoffRows:
-    """The rows of `a` then those of `b` (both with token states)."""
-    if not (a.has_token_states and b.has_token_states):
-        raise ValueError("only rows with token states can be joined")
-    parts = [a.states[i] for i in range(len(a))] + [b.states[i] for i in range(len(b))]
-    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.long)
-    states = TokenStates(torch.cat(parts), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
-    return HandoffRows(a.rows + b.rows, states)
-
-
 class ReconstructionModule(HandoffModule):
     """[K memory vectors ; reconstruction instruction ; context + end token], labels on the context.
 
@@ -73,9 +63,26 @@ class ReconstructionModule(HandoffModule):
         self.max_context_tokens = cfg.data.max_length
         self.prompt_ids = lm.tokenizer(prompts.reconstruction_prompt(lm.tokenizer), add_special_tokens=False)["input_ids"]
         self.token_loss = cfg.reconstruct.token_weight > 0 or cfg.reconstruct.token_steps > 0
+        self.pool_layers, self.seed, self.word_pool = tuple(cfg.data.pool_layers), cfg.trainer.seed, None
         if self.token_loss and not (encoder.chunked and encoder.num_memory_tokens == encoder.chunk_tokens):
             raise ValueError("the token loss reads memory vector j of a chunk as its j-th token: it needs "
                              "compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
+
+    def _random_texts(self) -> tuple[list[Tensor], list[list[int]]]:
+        """(memory, token ids) of ``reconstruct.random_texts`` texts of random whole-word tokens,
+        drawn fresh for this step (seeded by the step) and read by the sender as any context."""
+        r = self.reconstruct_cfg
+        if self.word_pool is None:
+            self.word_pool = torch.tensor(word_tokens(self.tokenizer, heldout_values()))
+            if len(self.word_pool) < 16:
+                raise ValueError(f"the tokenizer has {len(self.word_pool)} whole-word tokens; random texts need 16")
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.global_step)
+        ids = self.word_pool[torch.randint(0, len(self.word_pool), (r.random_texts, r.random_words), generator=g)]
+        ids = ids.to(self.lm.get_input_embeddings().weight.device)
+        with torch.no_grad():
+            states = sender_token_states(self.lm, ids, torch.ones_like(ids), self.pool_layers)
+        memory, _ = self.memory({"tokens": states, "token_mask": torch.ones_like(ids)})
+        return list(memory), ids.tolist()
 
     def token_only(self) -> bool:
         """Whether this training step is one of the first ``token_steps`` (token loss alone)."""
@@ -85,8 +92,9 @@ class ReconstructionModule(HandoffModule):
         """The tokens the sender's states were computed from (as `ilcp.pooling` tokenizes them)."""
         return tokenize_contexts(self.tokenizer, contexts, self.max_context_tokens)
 
-    def _token_loss(self, memory: list[Tensor], contexts: list[str]) -> tuple[Tensor, Tensor]:
-        """(loss, accuracy): memory vector j of each chunk read as the chunk's j-th context token.
+    def _token_loss(self, memory: list[Tensor], token_ids: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """(loss, accuracy): memory vector j of each chunk read as the chunk's j-th context token
+        (`token_ids`: each row's context tokens, as the sender's states were computed from).
 
         The loss is a cross-entropy through the LM's input-embedding table (the row of the token
         against the batch's other tokens and sampled ones, or every row in validation) plus the
@@ -96,7 +104,7 @@ class ReconstructionModule(HandoffModule):
         """
         table = self.lm.get_input_embeddings().weight
         vectors, targets = [], []
-        for m, ids in zip(memory, self.context_token_ids(contexts)):
+        for m, ids in zip(memory, token_ids):
             n = min(len(ids), m.shape[0])
             vectors.append(m[:n].float())
             targets.append(torch.tensor(ids[:n], device=table.device))
@@ -135,14 +143,18 @@ class ReconstructionModule(HandoffModule):
         r, n = self.reconstruct_cfg, len(batch["context"])
         if self.token_only():
             memory, _ = self.memory(batch)
-            loss, accuracy = self._token_loss(memory, batch["context"])
+            ids = self.context_token_ids(batch["context"])
+            if r.random_texts:
+                random_memory, random_ids = self._random_texts()
+                memory, ids = list(memory) + list(random_memory), ids + random_ids
+            loss, accuracy = self._token_loss(memory, ids)
             self.log_dict({"train/token_loss": loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
             return loss
         memory = self.memory(batch)
         loss, kl = self._teacher_forced(batch, memory)
         self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=n)
         if r.token_weight > 0:
-            token_loss, accuracy = self._token_loss(memory[0], batch["context"])
+            token_loss, accuracy = self._token_loss(memory[0], self.context_token_ids(batch["context"]))
             self.log_dict({"train/token_loss": token_loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
             loss = loss + r.token_weight * token_loss
         return loss
@@ -153,7 +165,8 @@ class ReconstructionModule(HandoffModule):
         n = len(batch["context"])
         self.log("val/loss", loss, prog_bar=True, batch_size=n, sync_dist=True)
         if self.token_loss:
-            self.log("val/token_acc", self._token_loss(memory[0], batch["context"])[1], batch_size=n, sync_dist=True)
+            accuracy = self._token_loss(memory[0], self.context_token_ids(batch["context"]))[1]
+            self.log("val/token_acc", accuracy, batch_size=n, sync_dist=True)
 
     def kl_in_loss(self) -> bool:
         return False
@@ -164,9 +177,8 @@ class ReconstructionModule(HandoffModule):
 
 
 def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: HandoffRows, val: HandoffRows,
-                         resume: bool, extra: HandoffRows | None = None) -> dict:
-    """Run the reconstruction stage on `encoder` in place (it gets its projector here); metrics.
-    `extra`: unlabelled rows (random texts) trained on alongside the task's distinct contexts."""
+                         resume: bool) -> dict:
+    """Run the reconstruction stage on `encoder` in place (it gets its projector here); metrics."""
     r = cfg.reconstruct
     stage_dir = cfg.run_dir / "stages" / STAGE
     done = stage_dir / f"{STAGE}.safetensors"
@@ -177,8 +189,6 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
         say("reconstruction: finished earlier, loaded")
         return json.loads((stage_dir / "metrics.json").read_text())
     train_ctx, val_ctx = distinct_contexts(train), distinct_contexts(val)
-    if extra is not None and len(extra):
-        train_ctx = concat_rows(train_ctx, extra)
     module = ReconstructionModule(encoder, lm, cfg)
     tr, fr = parameter_counts(module)
     say(f"reconstruction: {len(train_ctx)} distinct contexts ({len(val_ctx)} validation); {tr:,} trainable "
