@@ -11,7 +11,7 @@ line, as exact match compares them) are identical.
   interpreter to use otherwise);
 - `start_vllm`: one in-process engine on the run's LM, its caches and temporary files in a
   folder of the output (``VLLM_CACHE_ROOT``, ``VLLM_CONFIG_ROOT``, ``TMPDIR``); the torch thread
-  count and random state it changes while starting are put back;
+  setting and random state it changes while starting are put back;
 - `vllm_unavailable`: why the engine cannot take a method's prefixes, or None;
 - `compare`: the vLLM entry of a method's metrics (accuracy, agreement, disagreements);
 - `receiver_throughput`: questions per second of the receiver's decode at several batch sizes,
@@ -89,14 +89,26 @@ def _vllm_folders(folder: Path) -> None:
     tempfile.tempdir = str(folder / "tmp")
 
 
+# In-process engines share vLLM's process-wide parallel state, and an engine that is garbage
+# collected tears it down under the others: engines started here live as long as the process,
+# and a later evaluation of the same model with the same settings reuses its engine.
+_STARTED: dict[tuple, object] = {}
+
+
 def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                max_model_len: int | None = None, log: Callable[[str], None] | None = None) -> VLLMDecoder:
     """One in-process vLLM engine (eager, the LM's dtype, prompt embeddings) on ``lm``.
 
+    The engine lives until the process ends (an in-process engine that is shut down breaks the
+    others); a second call for the same model directory and settings reuses it, its caches staying
+    where the first call put them.
+
     The engine serves the directory ``lm`` was loaded from, or, for a model built in memory, a copy
     saved to ``folder/model``. ``max_model_len`` defaults to the model's positions, at most
-    `MAX_MODEL_LEN`. Starting an in-process engine sets torch's thread count and seeds the global
-    random generators: both are restored, so the HF decoder runs as it did before.
+    `MAX_MODEL_LEN`. Starting an in-process engine replaces ``torch.set_num_threads`` (vLLM's CPU
+    worker swaps in a function that only warns) and seeds the global random generators: the
+    function, the thread count and the generators' states are put back, so the HF decoder runs as
+    it did before (the engine computes on the same torch threads).
 
     Raises:
         ImportError: vLLM is not installed.
@@ -117,9 +129,13 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
     positions = getattr(lm.model.config, "max_position_embeddings", None) or MAX_MODEL_LEN
     max_model_len = max_model_len or min(int(positions), MAX_MODEL_LEN)
     dtype = str(lm.dtype).removeprefix("torch.")
+    key = (str(Path(directory).resolve()), dtype, kv_cache_bytes, max_model_len)
+    if key in _STARTED:
+        say(f"reusing the vLLM engine on {directory} started earlier in this process")
+        return VLLMDecoder(lm, _STARTED[key])
     say(f"starting vLLM on {directory} ({dtype}, max_model_len {max_model_len}, KV cache "
         f"{kv_cache_bytes / 2 ** 20:.0f} MiB, caches in {folder})")
-    threads = torch.get_num_threads()
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     states = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
     try:
         llm = create_engine(directory, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len)
@@ -129,10 +145,12 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
         reason = " ".join(str(e).split()) or type(e).__name__
         raise RuntimeError(f"vLLM could not start on {directory}: {reason}") from e
     finally:
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it by a function that warns
         torch.set_num_threads(threads)
         torch.random.set_rng_state(states[0])
         random.setstate(states[1])
         np.random.set_state(states[2])
+    _STARTED[key] = llm
     return VLLMDecoder(lm, llm)
 
 

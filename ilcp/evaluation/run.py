@@ -430,7 +430,8 @@ def evaluate(
             vllm = start_vllm(lm, folder, kv_cache_bytes=vllm_kv_cache_bytes, log=say)
         elif not isinstance(vllm, VLLMDecoder) or vllm.lm is not lm:
             raise ValueError("vllm must be an ilcp.engines.vllm.VLLMDecoder on the LM the evaluation uses")
-        engine_info = {"vllm_version": getattr(require_vllm(), "__version__", None), "dtype": str(vllm.dtype),
+        engine_info = {"vllm_version": getattr(require_vllm(), "__version__", None),
+                       "dtype": str(vllm.dtype).removeprefix("torch."),
                        "max_model_len": vllm.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     else:
         vllm = None

@@ -125,9 +125,10 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
 
     def start_vllm(*args, **kwargs):  # the engine start leaves threads and random state as they were
         torch.set_num_threads(1)
-        state = torch.random.get_rng_state()
+        state, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
         decoder = decoders.start_vllm(*args, **kwargs)
-        started.append((torch.get_num_threads(), torch.equal(torch.random.get_rng_state(), state)))
+        started.append((torch.get_num_threads(), torch.equal(torch.random.get_rng_state(), state),
+                        torch.set_num_threads is set_num_threads))
         return decoder
 
     monkeypatch.setattr(eval_run, "start_vllm", start_vllm)
@@ -136,7 +137,7 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
                       "--latency-n", "0", "--lengths", "", "--max-new-tokens", "3", "--vllm-kv-cache-mb", "64",
                       "--out", str(out), "--no-progress"])
     assert code == 0
-    assert started == [(1, True)], "starting the engine must not change the thread count or reseed torch"
+    assert started == [(1, True, True)], "starting the engine must leave torch's threads and random state alone"
     assert os.environ["VLLM_CACHE_ROOT"] == str(out / "vllm" / "cache")
     assert tempfile.gettempdir() == str(out / "vllm" / "tmp")
     saved = json.loads((out / "results.json").read_text())
