@@ -250,3 +250,21 @@ def test_bad_rclc_names_are_refused_before_the_lm_loads(run_dir, tmp_path, monke
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "missing budget" in err and "Traceback" not in err
+
+
+def test_the_accuracy_path_builds_each_sender_state_once_for_every_rclc_row(run_dir, tiny_lm, rows, monkeypatch):
+    from ilcp.evaluation import rclc_methods
+
+    ctx = EvalContext(lm=tiny_lm, run=read_export(run_dir))  # its own state cache
+    names = ["rclc:cacheback:r4", "rclc:qsnap:b8", "rclc:chunkkv:r16:prefix"]
+    methods = [bound(n, ctx) for n in names]
+    calls = []
+    real = rclc_methods.rclc.sender_from_hf
+    monkeypatch.setattr(rclc_methods.rclc, "sender_from_hf", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    built = [m.build_prefixes(rows) for m in methods]
+    assert len(calls) == len({r["context"] for r in rows}) == ctx.extras[rclc_methods.SENDER_STATES].built
+    for m, b in zip(methods, built):  # the same prefixes and bytes as a fresh state per row
+        for r, prefix, nbytes in zip(rows, b.prefixes, b.wire_bytes):
+            sent = m.send(r)
+            assert sent.wire_bytes == nbytes
+            torch.testing.assert_close(m.receive(sent, r), prefix, rtol=0, atol=0)

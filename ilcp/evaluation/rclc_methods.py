@@ -51,6 +51,7 @@ Groups for ``--methods`` (`ilcp.evaluation.registry.expand_method_names`): ``rcl
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,7 +61,8 @@ from torch import Tensor
 from .. import rclc
 from ..prompts import SYSTEM, cold_read_user_text, question_user_text, render
 from ..rclc.hf import context_limit
-from .registry import EvalContext, HandoffMethod, MethodUnavailable, Sent, register_group, register_method
+from .registry import (EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, register_group,
+                       register_method)
 
 __all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",
            "receiver_framing"]
@@ -191,6 +193,34 @@ def receiver_framing(tokenizer) -> ReceiverFraming:
     return ReceiverFraming(messages=messages, slot_template=template, lead=lead, question_turn=question_turn)
 
 
+SENDER_STATES = "rclc_sender_states"
+
+
+class SenderStates:
+    """Sender states by sender text, built on first use with `ilcp.rclc.sender_from_hf`; the
+    oldest are dropped beyond `capacity` (a state holds its context's KV cache).
+
+    Attributes:
+        built: how many states were built (a test reads it).
+    """
+
+    def __init__(self, lm, capacity: int = 512):
+        self.lm, self.capacity, self.built = lm, capacity, 0
+        self._states: OrderedDict[str, rclc.SenderState] = OrderedDict()
+
+    def get(self, text: str) -> rclc.SenderState:
+        state = self._states.get(text)
+        if state is None:
+            state = rclc.sender_from_hf(self.lm.model, self.lm.tokenizer, text)
+            self.built += 1
+            self._states[text] = state
+            while len(self._states) > self.capacity:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(text)
+        return state
+
+
 class RCLCMethod(HandoffMethod):
     """One RCLC row: selected sender rows at a budget, placed by `ilcp.rclc.HFReceiver`.
 
@@ -230,7 +260,19 @@ class RCLCMethod(HandoffMethod):
 
     def send(self, row: dict) -> Sent:
         lm = self.lm
-        state = rclc.sender_from_hf(lm.model, lm.tokenizer, self.sender_text(row["context"]))
+        return self._select(rclc.sender_from_hf(lm.model, lm.tokenizer, self.sender_text(row["context"])), row)
+
+    def build_prefixes(self, rows) -> Prefixes:
+        """The accuracy path: as `send` and `receive` row by row, but each context's sender state is
+        built once for every RCLC method and budget of the evaluation (`SenderStates`, kept in the
+        context's extras): selectors work on a clone of the state's cache, so sharing it changes
+        no row. The timed path (`send`) still builds its own."""
+        states = self.ctx.extras.setdefault(SENDER_STATES, SenderStates(self.lm))
+        sent = [self._select(states.get(self.sender_text(r["context"])), r) for r in rows]
+        return Prefixes(prefixes=[self.receive(s, r) for s, r in zip(sent, rows)],
+                        wire_bytes=[s.wire_bytes for s in sent], tensor_bytes=[s.tensor_bytes for s in sent])
+
+    def _select(self, state: rclc.SenderState, row: dict) -> Sent:
         deliveries: list[rclc.Delivery] = []
         rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
                            budget=self.spec.budget, selector=self.selector)
