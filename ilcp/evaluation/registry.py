@@ -10,6 +10,12 @@ embedding space, which one greedy decoder answers. Each method has two paths:
 - `HandoffMethod.send(row)` then `HandoffMethod.receive(sent, row)`: one request, sender side
   and receiver side apart, so latency can time each.
 
+A method whose receiver starts from something other than an embedding prefix (a KV cache relay,
+`ilcp.evaluation.kv_relay`) sets ``decodes_itself = True`` and decodes itself: `decode_rows`
+replaces ``build_prefixes`` + the shared greedy decoder on the accuracy path, and
+`decode_received` replaces the shared ``decode_one`` on the timed path (``receive`` then returns
+whatever that decoder starts from). Every other method goes through the shared decoder.
+
 Method families live in their own modules and import only this one (and modules below the
 evaluation package): `ilcp.evaluation.methods` (the built-in methods and the ``default`` group)
 and `ilcp.evaluation.rclc_methods` (the ``rclc:...`` family and its groups). Importing
@@ -32,12 +38,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..decoding import assemble_prefix
+from ..decoding import DecodeResult, assemble_prefix
 from ..export import ExportedRun
 from ..handoff import ILCPHandoff
 from ..lm import LM
 
 __all__ = [
+    "Decoded",
     "EvalContext",
     "HandoffMethod",
     "MethodUnavailable",
@@ -88,6 +95,28 @@ class Prefixes:
 
 
 @dataclass
+class Decoded:
+    """A batch of answers from a method that decodes itself (`HandoffMethod.decode_rows`).
+
+    Attributes:
+        answers: one answer per row, as the shared greedy decoder returns them.
+        wire_bytes, tensor_bytes: what each row's sender handed over.
+        prefill_positions: the positions each row's first answer token attends to.
+        decode_s: seconds of receiver decoding (the sender's work excluded).
+    """
+
+    answers: list[str]
+    wire_bytes: list[int]
+    tensor_bytes: list[int]
+    prefill_positions: list[int]
+    decode_s: float = 0.0
+
+    def __post_init__(self):
+        if not len(self.answers) == len(self.wire_bytes) == len(self.tensor_bytes) == len(self.prefill_positions):
+            raise ValueError("answers, wire_bytes, tensor_bytes and prefill_positions must have one entry per row")
+
+
+@dataclass
 class EvalContext:
     """What methods may use: the frozen LM, the run's trained modules and the ILCP handoff.
 
@@ -119,12 +148,15 @@ class HandoffMethod:
         vllm_unavailable: why the method's receiver cannot decode through vLLM
             (``eval.py --engine vllm`` reports it instead), or None: it can (its prefixes are
             ``prompt_embeds``; prefixes longer than the engine's context are refused apart).
+        decodes_itself: the receiver does not start from an (L, H) prefix; the evaluation calls
+            `decode_rows` and `decode_received` instead of the shared greedy decoder.
     """
 
     name: str = ""
     requires: tuple[str, ...] = ()
     carries_context: bool = True
     vllm_unavailable: str | None = None
+    decodes_itself: bool = False
 
     def __init__(self, name: str | None = None):
         if name is not None:
@@ -162,6 +194,18 @@ class HandoffMethod:
             wire_bytes=[s.wire_bytes for s in sent],
             tensor_bytes=[s.tensor_bytes for s in sent],
         )
+
+    def decode_rows(self, rows: Sequence[dict], *, max_new_tokens: int, stop_at_newline: bool = True) -> Decoded:
+        """The accuracy path of a method that decodes itself: answers for many rows, greedy, with
+        the shared decoder's stop rule. Only called when ``decodes_itself``."""
+        raise NotImplementedError(f"{self.name} decodes through the shared greedy decoder")
+
+    def decode_received(self, received, row: dict, *, max_new_tokens: int,
+                        stop_at_newline: bool = True) -> DecodeResult:
+        """The timed receiver of a method that decodes itself: decode from what `receive`
+        returned, timed as `ilcp.decoding.decode_one` times a prefix. Only called when
+        ``decodes_itself``."""
+        raise NotImplementedError(f"{self.name} decodes through the shared greedy decoder")
 
     def _prefix(self, parts: list) -> Tensor:
         return assemble_prefix(self.lm.model, self.lm.tokenizer, parts)

@@ -9,7 +9,9 @@ the ``en`` test file). For each task (the run's training task, test split, plus 
 given) and each method:
 1. accuracy, batched: the method builds the receiver prefixes of every row, one greedy decoder
    answers them; exact match and contains on the normalised first line, token F1, 95% Wilson
-   intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions;
+   intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions
+   (a method whose receiver starts from no embedding prefix, e.g. ``kv_relay:...``, decodes its
+   rows itself: ``HandoffMethod.decodes_itself``);
 2. latency, per request and unbatched, on the first ``latency_n`` rows (after one untimed
    warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
    `receive` plus the prefill of `decode_one`), and the handoff time, their sum.
@@ -176,14 +178,18 @@ class TimedRequest:
 
 
 def time_request(method: HandoffMethod, row: dict, *, max_new_tokens: int = 8) -> TimedRequest:
-    """Run one request unbatched: ``send`` (sender), then ``receive`` and `decode_one` (receiver)."""
+    """Run one request unbatched: ``send`` (sender), then ``receive`` and `decode_one` (receiver;
+    a method that decodes itself: its `decode_received`)."""
     lm = method.lm
     t0 = time.perf_counter()
     sent = method.send(row)
     t1 = time.perf_counter()
     prefix = method.receive(sent, row)
     t2 = time.perf_counter()
-    result = decode_one(lm.model, lm.tokenizer, prefix, max_new_tokens=max_new_tokens, stop_at_newline=True)
+    if method.decodes_itself:
+        result = method.decode_received(prefix, row, max_new_tokens=max_new_tokens, stop_at_newline=True)
+    else:
+        result = decode_one(lm.model, lm.tokenizer, prefix, max_new_tokens=max_new_tokens, stop_at_newline=True)
     return TimedRequest(sender_s=t1 - t0, receiver_ttft_s=(t2 - t1) + result.prefill_s,
                         receiver_total_s=(t2 - t1) + result.total_s, prefill_positions=result.prefill_positions,
                         wire_bytes=sent.wire_bytes, text=result.text)
@@ -221,6 +227,16 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
     chunks = range(0, len(rows), CHUNK)
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
         chunk = rows[start:start + CHUNK]
+        if method.decodes_itself:  # its receiver starts from no (L, H) prefix (e.g. a KV cache)
+            decoded = method.decode_rows(chunk, max_new_tokens=max_new_tokens, stop_at_newline=True)
+            predictions += decoded.answers
+            decode_s += decoded.decode_s
+            wire += decoded.wire_bytes
+            tensor += decoded.tensor_bytes
+            positions += decoded.prefill_positions
+            if vllm is not None and unavailable is None:
+                unavailable = str(method.vllm_unavailable or "the method decodes itself")
+            continue
         built = method.build_prefixes(chunk)
         # Batches of similar lengths pad less; answers do not depend on the batching.
         order = sorted(range(len(chunk)), key=lambda i: built.prefixes[i].shape[0])
