@@ -19,6 +19,7 @@ for the full contract. Nothing here runs at import time.
 """
 
 from ilcp.rclc import budget, selectors
+from ilcp.rclc import vllm as _vllm_adapter  # registers backend="vllm"; does not import vLLM
 from ilcp.rclc.agent import Agent, bind
 from ilcp.rclc.backends import BackendUnavailableError
 from ilcp.rclc.check import check
@@ -30,6 +31,7 @@ from ilcp.rclc.sender import sender_from_hf
 from ilcp.rclc.snapshot import SnapshotError
 from ilcp.rclc.state import SenderState
 from ilcp.rclc.transfer import transfer, transfer_sync
+from ilcp.rclc.vllm import discard_capture, request_capture, sender_from_vllm
 
 __all__ = [
     "Agent",
@@ -44,10 +46,13 @@ __all__ = [
     "bind",
     "budget",
     "check",
+    "discard_capture",
     "latent_mass",
     "latent_mass_sync",
+    "request_capture",
     "selectors",
     "sender_from_hf",
+    "sender_from_vllm",
     "transfer",
     "transfer_sync",
 ]

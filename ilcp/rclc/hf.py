@@ -163,6 +163,18 @@ def identity(model: nn.Module) -> dict:
     }
 
 
+def weights_digest(model: nn.Module) -> str:
+    """`ilcp.lm.weight_hash` of a model; a model that cannot be hashed tensor by tensor (the vLLM
+    shared-weight view, whose linear layers are the engine's packed kernels) carries its own
+    ``_rclc_weight_digest`` callable giving the same hash from its checkpoint files."""
+    digest = getattr(model, "_rclc_weight_digest", None)
+    if callable(digest):
+        return digest()
+    from ilcp.lm import weight_hash
+
+    return weight_hash(model)
+
+
 def check_same_checkpoint(sender_model, sender_tokenizer, receiver_model, receiver_tokenizer) -> None:
     """Raise ValueError on a known architecture, checkpoint name/revision or vocabulary mismatch,
     or on weights that differ (two model objects: their weight hashes, as snapshots check them;
@@ -184,10 +196,10 @@ def check_same_checkpoint(sender_model, sender_tokenizer, receiver_model, receiv
         if tokenizer_vocab_hash(sender_tokenizer) != tokenizer_vocab_hash(receiver_tokenizer):
             raise ValueError("sender and receiver tokenizers have different vocabularies; use the same tokenizer at both ends")
     if sender_model is not receiver_model:
-        from ilcp.lm import forward_config_hash, weight_hash
+        from ilcp.lm import forward_config_hash
 
-        if (weight_hash(sender_model), forward_config_hash(sender_model)) != (
-                weight_hash(receiver_model), forward_config_hash(receiver_model)):
+        if (weights_digest(sender_model), forward_config_hash(sender_model)) != (
+                weights_digest(receiver_model), forward_config_hash(receiver_model)):
             raise ValueError("sender and receiver models have different weights or forward configuration (their "
                              "LM fingerprints differ); use the same checkpoint at both ends")
 

