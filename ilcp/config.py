@@ -20,7 +20,9 @@ import yaml
 from .encoder import POOLING_KINDS as POOLINGS
 from .lm import DEFAULT_LM
 
-VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")
+VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
+DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
+SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv")  # ilcp.rclc.selectors' built-in selectors
 
 
 def _f(default, help: str, **kw):
@@ -111,7 +113,8 @@ class CompressorConfig:
 
 @dataclass
 class HandoffConfig:
-    variants: list = _f(list(VARIANTS), "what stage 2 trains: any of ilcp, prompt_tuned, cold_read_tuned")
+    variants: list = _f(list(DEFAULT_VARIANTS), "what stage 2 trains: any of ilcp, prompt_tuned, cold_read_tuned, "
+                                                "selection_tuned (K vectors before an RCLC selection of the context)")
     num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt")
     projector_hidden: int = _f(512, "width of the projector's trunk")
     finetune_encoder: bool = _f(True, "let the answer loss reach the VAE encoder (False = the spec's frozen encoder)")
@@ -127,8 +130,16 @@ class HandoffConfig:
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
     val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
     max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
+                                              "(cacheback, qsnap or chunkkv)")
+    selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
 
     def __post_init__(self):
+        if self.selection_selector not in SELECTION_SELECTORS:
+            raise ValueError(f"handoff.selection_selector must be one of {list(SELECTION_SELECTORS)}, "
+                             f"got {self.selection_selector!r}")
+        if self.selection_ratio < 1:
+            raise ValueError(f"handoff.selection_ratio must be >= 1, got {self.selection_ratio}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"handoff.variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants!r}")

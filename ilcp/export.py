@@ -6,6 +6,7 @@
                                    (+ pooler.* when the run used attention pooling)
       prompt_tuned.safetensors     soft_prompt (K, H)
       cold_read_tuned.safetensors  soft_prompt (K, H)
+      selection_tuned.safetensors  soft_prompt (K, H), when handoff.variants has selection_tuned
       train_config.yaml            the resolved training config
       metrics.json                 validation curves and final figures per variant
       README.md                    a short model card: base LM, fingerprint, task, metrics, loading
@@ -41,7 +42,7 @@ from .projector import GatedLatentToMemoryProjector
 
 EXPORT_FORMAT = "ilcp-export"
 EXPORT_VERSION = 1
-BASELINES = ("prompt_tuned", "cold_read_tuned")
+BASELINES = ("prompt_tuned", "cold_read_tuned", "selection_tuned")  # the soft-prompt variants
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"

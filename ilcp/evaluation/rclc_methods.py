@@ -4,6 +4,7 @@
     rclc:qsnap:b16             qsnap selection, at most 16 positions, in-prompt rows
     rclc:cacheback:r4:prefix   the same rows before the receiver's rendered question prompt
     rclc:chunkkv:r16:tuned     cold_read_tuned's K vectors, then the in-prompt rows
+    rclc:cacheback:r4:selection_tuned   selection_tuned's K vectors, then the in-prompt rows
 
 Selectors: ``cacheback``, ``qsnap``, ``chunkkv`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
 the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budget
@@ -31,6 +32,11 @@ the prefix:
   no soft-prompt input, so the K vectors are put in front of the ``inputs_embeds`` it returns,
   and its context limit is the model's minus K so that its length check counts them. The method
   is skipped for a run without those weights.
+- ``:selection_tuned``: the same with ``selection_tuned``'s K vectors, trained in front of these
+  in-prompt rows rather than the context text (``handoff.variants`` with selection_tuned; its
+  training prompts are `selection_prompt_ids`, the rows of ``handoff.selection_selector`` at
+  ``r<handoff.selection_ratio>``, cacheback r4 by default). Other selectors and budgets run too,
+  but only the trained one is the layout its vectors saw.
 
 The slot boundary: a byte-level BPE tokenizer (GPT-2 style pre-tokenisation, as SmolLM2's and
 Qwen's) reads the space after ``"Context:"`` as the start of the context's first word, so the
@@ -65,12 +71,13 @@ from .registry import (EvalContext, HandoffMethod, MethodUnavailable, Prefixes, 
                        register_method)
 
 __all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",
-           "receiver_framing"]
+           "receiver_framing", "selection_prompt_ids"]
 
 FAMILY = "rclc"
 SELECTORS = {"cacheback": rclc.selectors.cacheback, "qsnap": rclc.selectors.qsnap, "chunkkv": rclc.selectors.chunkkv}
-OPTIONS = ("prefix", "tuned")
+OPTIONS = ("prefix", "tuned", "selection_tuned")
 TUNED_SOFT_PROMPT = "cold_read_tuned"
+SELECTION_SOFT_PROMPT = "selection_tuned"
 
 # Every selector keeps every row at r1 (the budget holds the whole sender), so one r1 row
 # stands for all three: rclc:qsnap:r1 and rclc:chunkkv:r1 give the same prefixes. bAbI task 1
@@ -85,7 +92,7 @@ RCLC_METHODS = (
 RCLC_QUICK = ("rclc:cacheback:r1", "rclc:cacheback:r4", "rclc:cacheback:r4:tuned")
 
 _BUDGET = re.compile(r"([rb])([0-9]+)")
-_USAGE = "use rclc:<selector>:r<N> or rclc:<selector>:b<N>[:prefix|:tuned], e.g. rclc:cacheback:r4"
+_USAGE = "use rclc:<selector>:r<N> or rclc:<selector>:b<N>[:prefix|:tuned|:selection_tuned], e.g. rclc:cacheback:r4"
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class RCLCSpec:
         budget: N of ``b<N>``, or None (exactly one of ratio and budget is set).
         placement: "in_prompt" (the default) or "prefix".
         tuned: whether cold_read_tuned's K vectors come first.
+        selection_tuned: whether selection_tuned's K vectors come first.
     """
 
     selector: str
@@ -105,14 +113,21 @@ class RCLCSpec:
     budget: int | None
     placement: str = "in_prompt"
     tuned: bool = False
+    selection_tuned: bool = False
+
+    @property
+    def soft_prompt(self) -> str | None:
+        """The export entry of the K vectors placed first, or None."""
+        return TUNED_SOFT_PROMPT if self.tuned else SELECTION_SOFT_PROMPT if self.selection_tuned else None
 
 
 def parse_rclc_name(name: str) -> RCLCSpec:
-    """Parse ``rclc:<selector>:<r|b><N>[:prefix|:tuned]``.
+    """Parse ``rclc:<selector>:<r|b><N>[:prefix|:tuned|:selection_tuned]``.
 
     Raises:
         ValueError: another family, a missing or unknown selector, a missing or malformed budget,
-            N < 1, an unknown or repeated option, or ``:prefix`` with ``:tuned``.
+            N < 1, an unknown or repeated option, ``:prefix`` with ``:tuned`` or
+            ``:selection_tuned``, or both of those.
     """
     if not isinstance(name, str):
         raise ValueError(f"method name must be a string, got {name!r}")
@@ -138,12 +153,16 @@ def parse_rclc_name(name: str) -> RCLCSpec:
             raise ValueError(f"{name!r}: unknown option {option!r}; options: {', '.join(':' + o for o in OPTIONS)}")
     if len(set(options)) != len(options):
         raise ValueError(f"{name!r}: an option is repeated")
-    if "prefix" in options and "tuned" in options:
-        raise ValueError(f"{name!r}: ':tuned' places the rows in the prompt (the layout cold_read_tuned was trained "
-                         "with); it does not combine with ':prefix'")
+    if "tuned" in options and "selection_tuned" in options:
+        raise ValueError(f"{name!r}: ':tuned' and ':selection_tuned' each put K vectors first; choose one")
+    for tuned, variant in (("tuned", TUNED_SOFT_PROMPT), ("selection_tuned", SELECTION_SOFT_PROMPT)):
+        if "prefix" in options and tuned in options:
+            raise ValueError(f"{name!r}: ':{tuned}' places the rows in the prompt (the layout {variant} was trained "
+                             "with); it does not combine with ':prefix'")
     kind = match.group(1)
     return RCLCSpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None,
-                    placement="prefix" if "prefix" in options else "in_prompt", tuned="tuned" in options)
+                    placement="prefix" if "prefix" in options else "in_prompt", tuned="tuned" in options,
+                    selection_tuned="selection_tuned" in options)
 
 
 _CONTEXT_MARK = "\x00RCLC-CONTEXT\x00"
@@ -193,6 +212,44 @@ def receiver_framing(tokenizer) -> ReceiverFraming:
     return ReceiverFraming(messages=messages, slot_template=template, lead=lead, question_turn=question_turn)
 
 
+def selection_prompt_ids(lm, rows, *, selector: str = "cacheback", ratio: int | None = None,
+                         budget: int | None = None) -> dict[tuple[str, str], list[int]]:
+    """The in-prompt RCLC prompt of each distinct ``(context, question)`` of ``rows``, as token IDs.
+
+    The IDs are the cold-read prompt's tokens before the context slot, the sender's tokens at the
+    positions ``selector`` keeps for the question (relative budget ``ratio`` or bounded
+    ``budget``), then the tokens after the slot: the prefix an ``rclc:<selector>:r<ratio>`` row
+    prefills, whose rows are the embeddings of exactly these tokens (the selection_tuned
+    variant trains on them). Each distinct context's sender state is built once
+    (`ilcp.rclc.sender_from_hf`, one prefill) and every question asked of it selects on it
+    (`ilcp.rclc.transfer_sync`, as `RCLCMethod`); the states are not kept.
+
+    Raises:
+        ValueError: an unknown selector, or a bad budget (`ilcp.rclc.budget`).
+    """
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown selector {selector!r}; known: {', '.join(sorted(SELECTORS))}")
+    model, tokenizer = lm.model, lm.tokenizer
+    framing = receiver_framing(tokenizer)
+    receiver = rclc.HFReceiver(model, tokenizer, messages=framing.messages, placement="in_prompt",
+                               slot_template=framing.slot_template)
+    questions: dict[str, dict[str, None]] = {}
+    for row in rows:
+        questions.setdefault(row["context"], {})[row["question"]] = None
+    out: dict[tuple[str, str], list[int]] = {}
+    for context, asked in questions.items():
+        state = rclc.sender_from_hf(model, tokenizer, framing.lead + context.strip())
+        for question in asked:
+            deliveries: list[rclc.Delivery] = []
+            rclc.transfer_sync(state, deliveries.append, question.strip(), ratio=ratio, budget=budget,
+                               selector=SELECTORS[selector], record_selection=True)
+            kept = deliveries[0].messages[0].selection.indices
+            rendered = receiver.render(question.strip())
+            out[(context, question)] = (rendered.before[0].tolist() + state.token_ids[kept].tolist()
+                                        + rendered.after[0].tolist())
+    return out
+
+
 SENDER_STATES = "rclc_sender_states"
 
 
@@ -232,20 +289,21 @@ class RCLCMethod(HandoffMethod):
         super().__init__(name)
         self.spec = parse_rclc_name(name)
         self.selector = SELECTORS[self.spec.selector]
-        self.requires = (TUNED_SOFT_PROMPT,) if self.spec.tuned else ()
+        self.requires = (self.spec.soft_prompt,) if self.spec.soft_prompt else ()
         self.framing: ReceiverFraming | None = None
         self.receiver: rclc.HFReceiver | None = None
         self._soft: Tensor | None = None
 
     def bind(self, ctx: EvalContext) -> None:
         super().bind(ctx)
-        if self.spec.tuned and TUNED_SOFT_PROMPT not in ctx.run.soft_prompts:
-            raise MethodUnavailable(f"{self.name}: the run has no {TUNED_SOFT_PROMPT} weights")
+        soft = self.spec.soft_prompt
+        if soft is not None and soft not in ctx.run.soft_prompts:
+            raise MethodUnavailable(f"{self.name}: the run has no {soft} weights")
         model, tokenizer = ctx.lm.model, ctx.lm.tokenizer
-        self._soft = ctx.run.soft_prompts[TUNED_SOFT_PROMPT] if self.spec.tuned else None
+        self._soft = ctx.run.soft_prompts[soft] if soft is not None else None
         limit = context_limit(model) - (self._soft.shape[0] if self._soft is not None else 0)
         if limit < 1:
-            raise ValueError(f"{self.name}: {TUNED_SOFT_PROMPT}'s {self._soft.shape[0]} vectors leave no room "
+            raise ValueError(f"{self.name}: {soft}'s {self._soft.shape[0]} vectors leave no room "
                              f"in the model's {context_limit(model)} positions")
         self.framing = receiver_framing(tokenizer)
         self.receiver = rclc.HFReceiver(model, tokenizer, messages=self.framing.messages,

@@ -2,8 +2,12 @@
 
 Every variant is a memory source (`ilcp.encoder`) trained with one recipe and step budget:
 ``ilcp`` (an `ILCPEncoder`: latent -> K memory vectors, + question prompt), ``prompt_tuned`` (a
-`ConstantMemory`, + question prompt) and ``cold_read_tuned`` (a `ConstantMemory` that also reads
-the context text). The sequence is ``[K vectors ; rendered prompt ; answer + end token]``, left
+`ConstantMemory`, + question prompt), ``cold_read_tuned`` (a `ConstantMemory` that also reads
+the context text) and, when asked for, ``selection_tuned`` (a `ConstantMemory` that reads an RCLC
+selection of the context in its place: the cold-read prompt with the rows of
+``handoff.selection_selector`` at ``r<handoff.selection_ratio>`` in the context slot, as the
+``rclc:<selector>:r<N>:selection_tuned`` eval row places them). The sequence is
+``[K vectors ; rendered prompt ; answer + end token]``, left
 padded, with labels only on the answer tokens; validation logs the teacher-forced loss and the
 greedy exact match on a fixed subset every ``val_every_steps`` steps.
 """
@@ -56,9 +60,9 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
         return encoder
-    if variant in ("prompt_tuned", "cold_read_tuned"):
+    if variant in ("prompt_tuned", "cold_read_tuned", "selection_tuned"):
         return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
-                                                  reads_context_text=variant == "cold_read_tuned")
+                                                  reads_context_text=variant != "prompt_tuned")
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -70,11 +74,16 @@ class HandoffModule(L.LightningModule):
         lm: the frozen LM (kept in eval mode, excluded from checkpoints).
         cfg: stage-2 settings.
         val_decode_size: validation rows (the first ones) decoded for exact match.
+        selected: for selection_tuned, the prompt token IDs of each ``(context, question)``
+            (`ilcp.evaluation.rclc_methods.selection_prompt_ids`), which replace the cold-read
+            prompt of a source that reads the context; None: the context text.
     """
 
-    def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64):
+    def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64,
+                 selected: dict[tuple[str, str], list[int]] | None = None):
         super().__init__()
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
+        self.selected = selected
         self.lm = lm.model
         self.strict_loading = False  # checkpoints hold the trained modules only
         self._val_hits: list[tuple[int, bool]] = []
@@ -118,9 +127,12 @@ class HandoffModule(L.LightningModule):
         device = embed.weight.device
         sequences, labels = [], []
         for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
-            text = (prompts.cold_read_prompt(self.tokenizer, context, question) if with_context
-                    else prompts.question_prompt(self.tokenizer, question))
-            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if with_context and self.selected is not None:
+                prompt_ids = self.selected[(context, question)]
+            else:
+                text = (prompts.cold_read_prompt(self.tokenizer, context, question) if with_context
+                        else prompts.question_prompt(self.tokenizer, question))
+                prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
             rows = embed(torch.tensor(prompt_ids + answer_ids, device=device))
             n_memory = 0 if memory is None else memory[i].shape[0]
@@ -196,9 +208,13 @@ class HandoffModule(L.LightningModule):
         """Greedy answers of this variant for rows of a batch (default all of them)."""
         rows = list(range(len(batch["question"]))) if rows is None else rows
         memory, _ = self.memory(batch)
-        prefixes = [assemble_prefix(self.lm, self.tokenizer,
-                                    [memory[i], self.prompt_text(batch["context"][i], batch["question"][i])])
-                    for i in rows]
+        if self.selected is not None:
+            embed = self.lm.get_input_embeddings()
+            prompt = [embed(torch.tensor(self.selected[(batch["context"][i], batch["question"][i])],
+                                         device=embed.weight.device)) for i in rows]
+        else:
+            prompt = [self.prompt_text(batch["context"][i], batch["question"][i]) for i in rows]
+        prefixes = [assemble_prefix(self.lm, self.tokenizer, [memory[i], part]) for i, part in zip(rows, prompt)]
         return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
                              batch_size=self.cfg.batch_size)
 
@@ -235,7 +251,8 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         export.load_trained_state(source, load_file(str(done)), origin=str(done))
         say(f"stage 2 ({variant}): finished earlier, loaded")
         return source, json.loads((stage_dir / "metrics.json").read_text())
-    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size)
+    selected = selected_prompts(cfg.handoff, lm, data) if variant == "selection_tuned" else None
+    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
     frozen = "the LM and the encoder parts this loss does not reach" if variant == "ilcp" else "the LM"
@@ -252,6 +269,20 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     }
     save_stage(stage_dir / "metrics.json", metrics, done, export.trained_state(source))
     return source, metrics
+
+
+def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dict[tuple[str, str], list[int]]:
+    """selection_tuned's prompts for every training and validation row, computed once for the
+    stage and kept in memory: each distinct context prefilled once by the RCLC sender, then
+    ``cfg.selection_selector`` at ``r<cfg.selection_ratio>`` for each of its questions."""
+    from ..evaluation.rclc_methods import selection_prompt_ids  # the eval row's framing and selection
+
+    t0 = time.perf_counter()
+    rows = list(data.train.rows) + list(data.val.rows)
+    selected = selection_prompt_ids(lm, rows, selector=cfg.selection_selector, ratio=cfg.selection_ratio)
+    say(f"stage 2 (selection_tuned): {cfg.selection_selector} r{cfg.selection_ratio} rows of "
+        f"{len({c for c, _ in selected})} contexts, {len(selected)} questions, in {time.perf_counter() - t0:.1f}s")
+    return selected
 
 
 def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.LightningDataModule, resume: bool, *,
