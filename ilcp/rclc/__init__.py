@@ -19,7 +19,7 @@ for the full contract. Nothing here runs at import time.
 """
 
 from ilcp.rclc import budget, selectors
-from ilcp.rclc import vllm as _vllm_adapter  # registers backend="vllm"; does not import vLLM
+from ilcp.rclc import vllm as _vllm_adapter  # noqa: F401  (registers backend="vllm"; does not import vLLM)
 from ilcp.rclc.agent import Agent, bind
 from ilcp.rclc.backends import BackendUnavailableError
 from ilcp.rclc.check import check
