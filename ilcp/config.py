@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .encoder import POOLING_KINDS as POOLINGS
+from .prompts import MEMORY_PLACEMENTS
 from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
@@ -130,6 +131,9 @@ class HandoffConfig:
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
     val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
     max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "
+                                         "question prompt, the spec) or 'in_prompt' (where the context text stands "
+                                         "in the cold-read prompt; for a token codec)")
     selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
                                               "(cacheback, qsnap or chunkkv)")
     selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
@@ -148,6 +152,9 @@ class HandoffConfig:
                 raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
+        if self.memory_placement not in MEMORY_PLACEMENTS:
+            raise ValueError(f"handoff.memory_placement must be one of {list(MEMORY_PLACEMENTS)}, "
+                             f"got {self.memory_placement!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
         if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:

@@ -67,6 +67,7 @@ class ILCPEncoder(nn.Module):
             raise ValueError(f"the projector reads {projector.latent_dim} floats, the VAE gives {vae.latent_dim}")
         self.vae, self.projector, self.pooler = vae, projector, pooler
         self.encoder_frozen = False
+        self.placement = "prefix"  # where the receiver reads the memory (`ilcp.prompts.memory_prompt`)
 
     # -------------------------------------------------------------------------- description
 
@@ -188,6 +189,8 @@ class ConstantMemory(nn.Module):
         reads_context_text: the receiver also reads the context text (cold_read_tuned) or not
             (prompt_tuned).
     """
+
+    placement = "prefix"
 
     def __init__(self, soft_prompt: Tensor, reads_context_text: bool):
         super().__init__()

@@ -38,6 +38,7 @@ from .compressor import BetaVAE
 from .encoder import POOLING_KINDS, ConstantMemory, ILCPEncoder, MemorySource
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .pooling import AttentionPooler, ConcatPooler
+from .prompts import MEMORY_PLACEMENTS
 from .projector import GatedLatentToMemoryProjector
 
 EXPORT_FORMAT = "ilcp-export"
@@ -155,7 +156,9 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
         pooling["num_queries"] = encoder.pooler.num_queries
     if encoder.chunked:
         pooling["chunk_tokens"] = encoder.chunk_tokens
+    placement = {"memory_placement": encoder.placement} if encoder.placement != "prefix" else {}
     return {
+        **placement,
         "latent_dim": vae.latent_dim,
         "num_memory_tokens": projector.num_memory_tokens,
         "compressor": {"input_dim": vae.input_dim, "hidden_dim": vae.hidden_dim, "beta": vae.beta},
@@ -303,6 +306,7 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
         pooler,
         chunk_tokens=int(pooling.get("chunk_tokens", 0)),
     )
+    encoder.placement = config.get("memory_placement", "prefix")
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -413,6 +417,9 @@ def _check_schema(config: dict, where: Path) -> None:
             _field(config, "pooling.num_queries", int, where, minimum=1)
         _field(config, "pooling.chunk_tokens", int, where, minimum=1 if kind == "concat" else 0,
                required=kind == "concat")
+        placement = config.get("memory_placement", "prefix")
+        if placement not in MEMORY_PLACEMENTS:
+            raise ExportError(f"{where}: 'memory_placement' must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")
 
 
 def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Tensor]:

@@ -41,7 +41,7 @@ from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
 from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
-from .prompts import question_prompt, reconstruction_prompt
+from .prompts import memory_prompt, reconstruction_prompt
 from .transport import PayloadError, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
@@ -371,12 +371,18 @@ class ILCPHandoff:
         return memory.to(self.lm.device)
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
-        """The receiver's prefixes ``[memory ; question prompt]``, one per question and context."""
+        """The receiver's prefixes, one per question and context: ``[memory ; question prompt]``, or
+        for a run trained with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the
+        memory where the context text would stand (`ilcp.prompts.memory_prompt`)."""
         memory = self.memory_vectors(payload)
         if memory.shape[0] != len(questions):
             raise ValueError(f"payload holds {memory.shape[0]} latent(s) but {len(questions)} question(s) were given")
         tok = self.lm.tokenizer
-        return [assemble_prefix(self.lm.model, tok, [memory[i], question_prompt(tok, q)]) for i, q in enumerate(questions)]
+        out = []
+        for i, q in enumerate(questions):
+            before, after = memory_prompt(tok, q, self.encoder.placement)
+            out.append(assemble_prefix(self.lm.model, tok, ([before] if before else []) + [memory[i], after]))
+        return out
 
     def receive(
         self,

@@ -74,6 +74,23 @@ def context_slot_prompt(tokenizer, question: str) -> tuple[str, str]:
     return before, after
 
 
+MEMORY_PLACEMENTS = ("prefix", "in_prompt")
+
+
+def memory_prompt(tokenizer, question: str, placement: str = "prefix") -> tuple[str, str]:
+    """The receiver's prompt around the memory vectors: ``(before, after)``.
+
+    ``"prefix"`` (the specification's layout): nothing before, the question prompt after.
+    ``"in_prompt"``: the vectors stand where the context text stands in the cold-read prompt
+    (`context_slot_prompt`), for memory that reads as the context's own tokens.
+    """
+    if placement == "prefix":
+        return "", question_prompt(tokenizer, question)
+    if placement == "in_prompt":
+        return context_slot_prompt(tokenizer, question)
+    raise ValueError(f"memory placement must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")
+
+
 def answer_text(answer: str, tokenizer) -> str:
     """The target continuation for training: the answer followed by the end-of-turn token."""
     eos = tokenizer.eos_token or ""

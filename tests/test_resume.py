@@ -75,3 +75,21 @@ def test_the_best_checkpoint_is_looked_up_in_this_stage_folder(tmp_path):
     assert _best_checkpoint(old, stage) == stage / "checkpoints" / "best-step=4.ckpt"
     assert _best_checkpoint("", stage) is None
     assert _best_checkpoint("/x/best-step=9.ckpt", stage) is None
+
+
+def test_a_setting_added_after_the_run_started_resumes_at_its_default(tmp_path, tiny_lm):
+    import yaml
+
+    first = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    saved = first.run_dir / "train_config.yaml"
+    config = yaml.safe_load(saved.read_text())
+    del config["handoff"]["memory_placement"]  # as a run written before the setting existed
+    saved.write_text(yaml.safe_dump(config))
+    train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True)
+    with pytest.raises(ValueError, match="handoff.memory_placement: 'prefix' -> 'in_prompt'"):
+        train(load_config(TINY, _base(tmp_path) + ["handoff.memory_placement=in_prompt"]), lm=tiny_lm, resume=True)
+    # a raised budget together with a refused change records nothing
+    with pytest.raises(ValueError, match="compressor.latent_dim"):
+        train(load_config(TINY, _base(tmp_path) + ["handoff.max_steps=6", "compressor.latent_dim=4"]), lm=tiny_lm,
+              resume=True)
+    assert not (first.run_dir / "resumes.json").exists()

@@ -136,3 +136,32 @@ def test_a_concat_codec_run_exports_reloads_and_sends_one_latent_per_chunk(tmp_p
     (tampered / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ExportError, match="chunk_tokens"):
         read_config(tampered)
+
+
+def test_in_prompt_memory_stands_where_the_context_text_stands(tmp_path, tiny_lm):
+    from ilcp.decoding import embed_text
+    from ilcp.prompts import cold_read_prompt, memory_prompt
+
+    with pytest.raises(ValueError, match="memory_placement"):
+        load_config(TINY_CONFIG, ["handoff.memory_placement=middle"])
+    before, after = memory_prompt(tiny_lm.tokenizer, "Where is John?", "in_prompt")
+    assert before + "CONTEXT" + after == cold_read_prompt(tiny_lm.tokenizer, "CONTEXT", "Where is John?")
+    result = train(load_config(TINY_CONFIG, [f"out_dir={tmp_path}", "run_name=inprompt", "trainer.progress=false",
+                                             "handoff.variants=[ilcp]", "handoff.memory_placement=in_prompt"]),
+                   lm=tiny_lm)
+    assert read_config(result.run_dir)["memory_placement"] == "in_prompt"
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    sent = handoff.send("Mary moved to the bathroom.")
+    prefix = handoff.prefixes(sent.to_bytes(), ["Where is John?"])[0]
+    memory = handoff.memory_vectors(sent.to_bytes())[0]
+    head, tail = embed_text(tiny_lm.model, tiny_lm.tokenizer, before), embed_text(tiny_lm.model, tiny_lm.tokenizer, after)
+    torch.testing.assert_close(prefix, torch.cat([head, memory.to(head.dtype), tail]))
+    # the answer stage trained on the same layout: its labels sit after [before ; memory ; after]
+    module_cfg = load_config(TINY_CONFIG, ["handoff.memory_placement=in_prompt"])
+    from ilcp.training.handoff_stage import HandoffModule
+    module = HandoffModule(handoff.encoder, tiny_lm, module_cfg.handoff)
+    seqs, labels = module._answer_sequences(memory.unsqueeze(0), {"context": ["x"], "question": ["Where is John?"],
+                                                                   "answer": ["hall"]}, with_context=False)
+    n_prompt = head.shape[0] + memory.shape[0] + tail.shape[0]
+    torch.testing.assert_close(seqs[0][:n_prompt], torch.cat([head, memory.to(head.dtype), tail]))
+    assert (labels[0][:n_prompt] == -100).all() and (labels[0][n_prompt:] != -100).all()

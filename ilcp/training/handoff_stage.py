@@ -59,6 +59,7 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
             attach_projector(encoder, cfg, lm)
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
+        encoder.placement = cfg.memory_placement
         return encoder
     if variant in ("prompt_tuned", "cold_read_tuned", "selection_tuned"):
         return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
@@ -134,10 +135,18 @@ class HandoffModule(L.LightningModule):
                         else prompts.question_prompt(self.tokenizer, question))
                 prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
+            before_ids = []
+            if memory is not None and self.source.placement != "prefix":
+                before, after = prompts.memory_prompt(self.tokenizer, question, self.source.placement)
+                before_ids = self.tokenizer(before, add_special_tokens=False)["input_ids"]
+                prompt_ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
             rows = embed(torch.tensor(prompt_ids + answer_ids, device=device))
             n_memory = 0 if memory is None else memory[i].shape[0]
-            sequences.append(rows if memory is None else torch.cat([memory[i], rows], dim=0))
-            labels.append(torch.tensor([-100] * (n_memory + len(prompt_ids)) + answer_ids, device=device))
+            parts = [embed(torch.tensor(before_ids, device=device))] if before_ids else []
+            parts += [rows] if memory is None else [memory[i], rows]
+            sequences.append(torch.cat(parts, dim=0))
+            labels.append(torch.tensor([-100] * (len(before_ids) + n_memory + len(prompt_ids)) + answer_ids,
+                                       device=device))
         return sequences, labels
 
     def _distillation(self, batch: dict, logits: Tensor, targets: Tensor) -> Tensor:
@@ -212,6 +221,12 @@ class HandoffModule(L.LightningModule):
             embed = self.lm.get_input_embeddings()
             prompt = [embed(torch.tensor(self.selected[(batch["context"][i], batch["question"][i])],
                                          device=embed.weight.device)) for i in rows]
+        elif self.source.placement != "prefix":
+            around = [prompts.memory_prompt(self.tokenizer, batch["question"][i], self.source.placement) for i in rows]
+            prefixes = [assemble_prefix(self.lm, self.tokenizer, [before, memory[i], after])
+                        for i, (before, after) in zip(rows, around)]
+            return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
+                                 batch_size=self.cfg.batch_size)
         else:
             prompt = [self.prompt_text(batch["context"][i], batch["question"][i]) for i in rows]
         prefixes = [assemble_prefix(self.lm, self.tokenizer, [memory[i], part]) for i, part in zip(rows, prompt)]

@@ -159,15 +159,18 @@ def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> None:
     except yaml.YAMLError as e:
         raise ValueError(f"{saved_path} is not readable YAML ({e}): start the run again with --overwrite") from None
     now = flatten(cfg.to_dict())
+    # a setting the package gained after the run started was, for that run, its default
+    defaults = flatten(TrainConfig().to_dict())
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in _RESUMABLE)
     raised = [k for k in changed if k in _EXTENDABLE and isinstance(saved.get(k), int) and now[k] > saved[k]]
     changed = [k for k in changed if k not in raised]
+    if changed:  # refused before anything is recorded
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
+        raise ValueError(f"--resume with changed settings ({details}): resume with the run's own settings, or "
+                         "start again with --overwrite or another run_name")
     if raised:
         log = saved_path.parent / "resumes.json"
         history = json.loads(log.read_text()) if log.is_file() else []
         history.append({k: [saved[k], now[k]] for k in raised})
         atomic_write_json(log, history)
-    if changed:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
-        raise ValueError(f"--resume with changed settings ({details}): resume with the run's own settings, or "
-                         "start again with --overwrite or another run_name")
