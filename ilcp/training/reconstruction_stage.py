@@ -30,6 +30,7 @@ from .handoff_stage import HandoffModule, attach_projector, fit_stage
 from .log import parameter_counts, say
 
 STAGE = "reconstruct"
+TOKEN_TEMPERATURE = 0.05  # of the token loss's cosine cross-entropy
 
 
 def distinct_contexts(rows: HandoffRows) -> HandoffRows:
@@ -96,10 +97,12 @@ class ReconstructionModule(HandoffModule):
         """(loss, accuracy): memory vector j of each chunk read as the chunk's j-th context token
         (`token_ids`: each row's context tokens, as the sender's states were computed from).
 
-        The loss is a cross-entropy through the LM's input-embedding table (the row of the token
-        against the batch's other tokens and sampled ones, or every row in validation) plus the
-        cosine distance to that row, so the memory vectors stand where the tokens' own embeddings
-        stand. With ``K = C`` vectors per chunk, a row's memory is one vector per context
+        The loss is a cross-entropy over cosine similarities to the LM's input-embedding rows (at
+        temperature `TOKEN_TEMPERATURE`; the token's row against the batch's other tokens and
+        sampled ones, or every row in validation), plus the cosine distance to that row and the
+        squared relative error of the vector's norm against the row's: the memory vectors stand
+        where the tokens' own embeddings stand, at their scale (a plain dot-product cross-entropy
+        is won by growing the norm, and a frozen LM reads a vector 30x too long as noise). With ``K = C`` vectors per chunk, a row's memory is one vector per context
         position, padding of its last chunk left out. Accuracy: argmax over the candidates.
         """
         table = self.lm.get_input_embeddings().weight
@@ -114,11 +117,13 @@ class ReconstructionModule(HandoffModule):
             candidates = torch.unique(torch.cat([targets, sampled]))
         else:
             candidates = torch.arange(table.shape[0], device=table.device)
-        rows = table[candidates].float()
-        logits = vectors @ rows.T
+        rows = F.normalize(table[candidates].float(), dim=-1)
+        logits = F.normalize(vectors, dim=-1) @ rows.T / TOKEN_TEMPERATURE
         index = torch.searchsorted(candidates, targets)
-        cosine = F.cosine_similarity(vectors, table[targets].float(), dim=-1)
-        loss = F.cross_entropy(logits, index) + (1.0 - cosine).mean()
+        target = table[targets].float()
+        cosine = F.cosine_similarity(vectors, target, dim=-1)
+        norm_ratio = vectors.norm(dim=-1) / target.norm(dim=-1).clamp(min=1e-6)
+        loss = F.cross_entropy(logits, index) + (1.0 - cosine).mean() + (norm_ratio - 1.0).pow(2).mean()
         accuracy = (logits.argmax(-1) == index).float().mean()
         return loss, accuracy
 
