@@ -131,6 +131,8 @@ class HandoffConfig:
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
     val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
     max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    format_vectors: int = _f(0, "ilcp with memory_placement=in_prompt: learned vectors before the whole prompt, "
+                                "as cold_read_tuned's (0 = none)")
     memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "
                                          "question prompt, the spec) or 'in_prompt' (where the context text stands "
                                          "in the cold-read prompt; for a token codec)")
@@ -152,6 +154,9 @@ class HandoffConfig:
                 raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
+        if self.format_vectors < 0 or (self.format_vectors and self.memory_placement == "prefix"):
+            raise ValueError("handoff.format_vectors must be >= 0, and needs handoff.memory_placement=in_prompt "
+                             "(with prefix memory the memory vectors are already in front)")
         if self.memory_placement not in MEMORY_PLACEMENTS:
             raise ValueError(f"handoff.memory_placement must be one of {list(MEMORY_PLACEMENTS)}, "
                              f"got {self.memory_placement!r}")

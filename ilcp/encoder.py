@@ -68,6 +68,7 @@ class ILCPEncoder(nn.Module):
         self.vae, self.projector, self.pooler = vae, projector, pooler
         self.encoder_frozen = False
         self.placement = "prefix"  # where the receiver reads the memory (`ilcp.prompts.memory_prompt`)
+        self.format_prompt: FormatPrompt | None = None  # learned vectors before the whole prompt
 
     # -------------------------------------------------------------------------- description
 
@@ -167,6 +168,8 @@ class ILCPEncoder(nn.Module):
     def parameter_groups(self, lr: float, encoder_lr: float) -> list[dict]:
         """Optimizer groups: the projector at `lr`, pooler and VAE at `encoder_lr` unless frozen."""
         groups = [{"params": list(self._projector().parameters()), "lr": lr}]
+        if self.format_prompt is not None:
+            groups[0]["params"] += list(self.format_prompt.parameters())
         if not self.encoder_frozen:
             encoder = list(self.vae.parameters()) + (list(self.pooler.parameters()) if self.pooler is not None else [])
             groups.append({"params": encoder, "lr": encoder_lr})
@@ -179,6 +182,22 @@ class ILCPEncoder(nn.Module):
             if self.pooler is not None:
                 self.pooler.eval()
         return self
+
+
+class FormatPrompt(nn.Module):
+    """K learned vectors a receiver reads before its whole prompt, the same for every context:
+    with ``in_prompt`` memory, they teach the answer's form the way cold_read_tuned's vectors do,
+    so the projector need not bend the context's vectors to do it."""
+
+    def __init__(self, vectors: Tensor):
+        super().__init__()
+        if vectors.dim() != 2:
+            raise ValueError(f"format vectors are (K, H), got shape {tuple(vectors.shape)}")
+        self.vectors = nn.Parameter(vectors.detach().float().clone())
+
+    @property
+    def num_vectors(self) -> int:
+        return self.vectors.shape[0]
 
 
 class ConstantMemory(nn.Module):

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import __version__
 from .compressor import BetaVAE
-from .encoder import POOLING_KINDS, ConstantMemory, ILCPEncoder, MemorySource
+from .encoder import POOLING_KINDS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .pooling import AttentionPooler, ConcatPooler
 from .prompts import MEMORY_PLACEMENTS
@@ -49,7 +49,7 @@ CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 
 # the state-dict prefixes of the exported files
-_PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler"}
+_PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler", "format": "format_prompt"}
 _SOFT_PROMPT = "soft_prompt"
 
 
@@ -157,6 +157,8 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     if encoder.chunked:
         pooling["chunk_tokens"] = encoder.chunk_tokens
     placement = {"memory_placement": encoder.placement} if encoder.placement != "prefix" else {}
+    if encoder.format_prompt is not None:
+        placement["format_vectors"] = encoder.format_prompt.num_vectors
     return {
         **placement,
         "latent_dim": vae.latent_dim,
@@ -307,6 +309,8 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
         chunk_tokens=int(pooling.get("chunk_tokens", 0)),
     )
     encoder.placement = config.get("memory_placement", "prefix")
+    if config.get("format_vectors"):
+        encoder.format_prompt = FormatPrompt(torch.zeros(int(config["format_vectors"]), config["lm"]["hidden_size"]))
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -417,6 +421,7 @@ def _check_schema(config: dict, where: Path) -> None:
             _field(config, "pooling.num_queries", int, where, minimum=1)
         _field(config, "pooling.chunk_tokens", int, where, minimum=1 if kind == "concat" else 0,
                required=kind == "concat")
+        _field(config, "format_vectors", int, where, minimum=0, required=False)
         placement = config.get("memory_placement", "prefix")
         if placement not in MEMORY_PLACEMENTS:
             raise ExportError(f"{where}: 'memory_placement' must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")

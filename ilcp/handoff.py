@@ -381,7 +381,8 @@ class ILCPHandoff:
         out = []
         for i, q in enumerate(questions):
             before, after = memory_prompt(tok, q, self.encoder.placement)
-            out.append(assemble_prefix(self.lm.model, tok, ([before] if before else []) + [memory[i], after]))
+            fmt = [self.encoder.format_prompt.vectors.detach()] if self.encoder.format_prompt is not None else []
+            out.append(assemble_prefix(self.lm.model, tok, fmt + ([before] if before else []) + [memory[i], after]))
         return out
 
     def receive(

@@ -146,22 +146,27 @@ def test_in_prompt_memory_stands_where_the_context_text_stands(tmp_path, tiny_lm
         load_config(TINY_CONFIG, ["handoff.memory_placement=middle"])
     before, after = memory_prompt(tiny_lm.tokenizer, "Where is John?", "in_prompt")
     assert before + "CONTEXT" + after == cold_read_prompt(tiny_lm.tokenizer, "CONTEXT", "Where is John?")
+    with pytest.raises(ValueError, match="format_vectors"):
+        load_config(TINY_CONFIG, ["handoff.format_vectors=2"])
     result = train(load_config(TINY_CONFIG, [f"out_dir={tmp_path}", "run_name=inprompt", "trainer.progress=false",
-                                             "handoff.variants=[ilcp]", "handoff.memory_placement=in_prompt"]),
-                   lm=tiny_lm)
-    assert read_config(result.run_dir)["memory_placement"] == "in_prompt"
+                                             "handoff.variants=[ilcp]", "handoff.memory_placement=in_prompt",
+                                             "handoff.format_vectors=2"]), lm=tiny_lm)
+    config = read_config(result.run_dir)
+    assert config["memory_placement"] == "in_prompt" and config["format_vectors"] == 2
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
     sent = handoff.send("Mary moved to the bathroom.")
     prefix = handoff.prefixes(sent.to_bytes(), ["Where is John?"])[0]
     memory = handoff.memory_vectors(sent.to_bytes())[0]
     head, tail = embed_text(tiny_lm.model, tiny_lm.tokenizer, before), embed_text(tiny_lm.model, tiny_lm.tokenizer, after)
-    torch.testing.assert_close(prefix, torch.cat([head, memory.to(head.dtype), tail]))
+    fmt = handoff.encoder.format_prompt.vectors.detach()
+    assert fmt.shape == (2, tiny_lm.hidden_size) and fmt.abs().sum() > 0  # trained, exported and reloaded
+    torch.testing.assert_close(prefix, torch.cat([fmt, head, memory.to(head.dtype), tail]))
     # the answer stage trained on the same layout: its labels sit after [before ; memory ; after]
-    module_cfg = load_config(TINY_CONFIG, ["handoff.memory_placement=in_prompt"])
+    module_cfg = load_config(TINY_CONFIG, ["handoff.memory_placement=in_prompt", "handoff.format_vectors=2"])
     from ilcp.training.handoff_stage import HandoffModule
     module = HandoffModule(handoff.encoder, tiny_lm, module_cfg.handoff)
     seqs, labels = module._answer_sequences(memory.unsqueeze(0), {"context": ["x"], "question": ["Where is John?"],
                                                                    "answer": ["hall"]}, with_context=False)
-    n_prompt = head.shape[0] + memory.shape[0] + tail.shape[0]
-    torch.testing.assert_close(seqs[0][:n_prompt], torch.cat([head, memory.to(head.dtype), tail]))
+    n_prompt = 2 + head.shape[0] + memory.shape[0] + tail.shape[0]
+    torch.testing.assert_close(seqs[0][:n_prompt], torch.cat([fmt, head, memory.to(head.dtype), tail]))
     assert (labels[0][:n_prompt] == -100).all() and (labels[0][n_prompt:] != -100).all()

@@ -31,7 +31,7 @@ from .. import export, prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import HandoffConfig, TrainConfig
 from ..decoding import assemble_prefix, greedy_decode, left_pad
-from ..encoder import ConstantMemory, ILCPEncoder, MemorySource
+from ..encoder import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
 from ..projector import GatedLatentToMemoryProjector
@@ -60,6 +60,9 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
         encoder.placement = cfg.memory_placement
+        if cfg.format_vectors and encoder.format_prompt is None:
+            rows = ConstantMemory.from_embedding_rows(lm.model, cfg.format_vectors, reads_context_text=False)
+            encoder.format_prompt = FormatPrompt(rows.soft_prompt)
         return encoder
     if variant in ("prompt_tuned", "cold_read_tuned", "selection_tuned"):
         return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
@@ -144,10 +147,19 @@ class HandoffModule(L.LightningModule):
             n_memory = 0 if memory is None else memory[i].shape[0]
             parts = [embed(torch.tensor(before_ids, device=device))] if before_ids else []
             parts += [rows] if memory is None else [memory[i], rows]
+            fmt = self._format_vectors() if memory is not None else None
+            if fmt is not None:
+                parts.insert(0, fmt)
+            n_format = 0 if fmt is None else fmt.shape[0]
             sequences.append(torch.cat(parts, dim=0))
-            labels.append(torch.tensor([-100] * (len(before_ids) + n_memory + len(prompt_ids)) + answer_ids,
+            labels.append(torch.tensor([-100] * (n_format + len(before_ids) + n_memory + len(prompt_ids)) + answer_ids,
                                        device=device))
         return sequences, labels
+
+    def _format_vectors(self) -> Tensor | None:
+        """The memory source's learned format vectors in the LM's dtype, or None."""
+        fmt = getattr(self.source, "format_prompt", None)
+        return None if fmt is None else fmt.vectors.to(self.lm.get_input_embeddings().weight.dtype)
 
     def _distillation(self, batch: dict, logits: Tensor, targets: Tensor) -> Tensor:
         """KL(teacher || receiver) per answer token, the teacher being the frozen LM reading the
@@ -223,7 +235,8 @@ class HandoffModule(L.LightningModule):
                                          device=embed.weight.device)) for i in rows]
         elif self.source.placement != "prefix":
             around = [prompts.memory_prompt(self.tokenizer, batch["question"][i], self.source.placement) for i in rows]
-            prefixes = [assemble_prefix(self.lm, self.tokenizer, [before, memory[i], after])
+            fmt = [self._format_vectors()] if self._format_vectors() is not None else []
+            prefixes = [assemble_prefix(self.lm, self.tokenizer, fmt + [before, memory[i], after])
                         for i, (before, after) in zip(rows, around)]
             return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
                                  batch_size=self.cfg.batch_size)
