@@ -93,3 +93,14 @@ def test_a_setting_added_after_the_run_started_resumes_at_its_default(tmp_path, 
         train(load_config(TINY, _base(tmp_path) + ["handoff.max_steps=6", "compressor.latent_dim=4"]), lm=tiny_lm,
               resume=True)
     assert not (first.run_dir / "resumes.json").exists()
+
+
+def test_overwrite_with_an_lm_that_does_not_load_keeps_the_old_run(tmp_path, tiny_lm):
+    from ilcp.lm import LMLoadError
+
+    first = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    before = sorted(p.relative_to(first.run_dir) for p in first.run_dir.rglob("*"))
+    with pytest.raises(LMLoadError, match="unknown LM spec"):
+        train(load_config(TINY, _base(tmp_path) + ["lm.spec=no-such-lm"]), overwrite=True)
+    assert sorted(p.relative_to(first.run_dir) for p in first.run_dir.rglob("*")) == before
+    read_export(first.run_dir)

@@ -57,6 +57,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         section, key = name.split(".")
         check_global_batch(getattr(getattr(cfg, section), key), name, procs.world_size)
     if procs.is_main:  # before the other ranks exist: no rank sees a half-prepared directory
+        if overwrite and lm is None and cfg.run_dir.exists():
+            # an LM spec that does not load fails here, before --overwrite deletes the old run
+            lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
         _prepare_run_dir(cfg, resume, overwrite)
     procs.launch()
     try:
