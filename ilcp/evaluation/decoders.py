@@ -35,9 +35,9 @@ import torch
 from ..decoding import greedy_decode
 from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, create_engine, model_directory, require_vllm
 from ..lm import LM
-from ..metrics import contains_answer, exact_match, first_line, normalize_answer, token_f1
+from ..metrics import first_line, normalize_answer
 from .registry import HandoffMethod
-from .report import wilson_interval
+from .report import accuracy_summary, wilson_interval
 
 __all__ = [
     "ENGINES",
@@ -175,25 +175,13 @@ def agrees(a: str, b: str) -> bool:
 
 def compare(rows: Sequence[dict], hf: Sequence[str], vllm: Sequence[str], decode_s: float) -> dict:
     """The vLLM entry of a method's metrics: its accuracy on ``rows`` and its agreement with HF."""
-    answers = [r["answer"] for r in rows]
-    em = [float(exact_match(p, a)) for p, a in zip(vllm, answers)]
-    contains = [float(contains_answer(p, a)) for p, a in zip(vllm, answers)]
-    f1 = token_f1(list(vllm), answers) if rows else []
     same = [float(agrees(a, b)) for a, b in zip(hf, vllm)]
     differ = [{"id": r["id"], "question": r["question"], "answer": r["answer"], "hf": a, "vllm": b}
               for r, a, b, s in zip(rows, hf, vllm, same) if not s]
 
-    def mean(x):
-        return sum(x) / len(x) if x else None
-
     return {
-        "n": len(rows),
-        "exact_match": mean(em),
-        "exact_match_ci": wilson_interval(em),
-        "contains": mean(contains),
-        "contains_ci": wilson_interval(contains),
-        "f1": mean(f1),
-        "agreement": mean(same),
+        **accuracy_summary(vllm, [r["answer"] for r in rows]),
+        "agreement": sum(same) / len(same) if same else None,
         "agreement_ci": wilson_interval(same),
         "disagree": len(differ),
         "disagreements": differ[:DISAGREEMENTS_KEPT],

@@ -32,7 +32,6 @@ refused.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,14 +43,13 @@ from .. import compat, rclc
 from ..decoding import DecodeResult, _answer_text, _has_line, stop_token_ids  # the shared stop rule
 from ..prompts import question_prompt
 from ..rclc.hf import context_limit
-from .rclc_methods import SELECTORS, SENDER_STATES, SenderStates, receiver_framing
+from .rclc_methods import SELECTORS, SENDER_STATES, SenderStates, parse_selection_name, receiver_framing
 from .registry import Decoded, EvalContext, HandoffMethod, Sent, register_method
 
 __all__ = ["KVHandoff", "KVRelayMethod", "KVRelaySpec", "RelayInputs", "kv_cache_from", "parse_kv_relay_name",
            "prune_kv", "relay_decode"]
 
 FAMILY = "kv_relay"
-_BUDGET = re.compile(r"([rb])([0-9]+)")
 _USAGE = "use kv_relay:<selector>:r<N> or kv_relay:<selector>:b<N>, e.g. kv_relay:cacheback:r4"
 
 
@@ -71,27 +69,10 @@ def parse_kv_relay_name(name: str) -> KVRelaySpec:
         ValueError: another family, a missing or unknown selector, a missing or malformed budget,
             N < 1, or anything after the budget.
     """
-    if not isinstance(name, str):
-        raise ValueError(f"method name must be a string, got {name!r}")
-    parts = name.strip().split(":")
-    if parts[0] != FAMILY:
-        raise ValueError(f"{name!r} is not a kv_relay method name: {_USAGE}")
-    if len(parts) < 2 or not parts[1]:
-        raise ValueError(f"{name!r}: missing selector ({', '.join(sorted(SELECTORS))}); {_USAGE}")
-    if parts[1] not in SELECTORS:
-        raise ValueError(f"{name!r}: unknown selector {parts[1]!r}; known: {', '.join(sorted(SELECTORS))}")
-    if len(parts) < 3 or not parts[2]:
-        raise ValueError(f"{name!r}: missing budget (r<N>: relative, ceil(T / N) positions; b<N>: at most N); {_USAGE}")
-    match = _BUDGET.fullmatch(parts[2])
-    if match is None:
-        raise ValueError(f"{name!r}: budget {parts[2]!r} is neither r<N> (relative) nor b<N> (bounded); {_USAGE}")
-    value = int(match.group(2))
-    if value < 1:
-        raise ValueError(f"{name!r}: budget {parts[2]!r} must have N >= 1")
-    if len(parts) > 3:
-        raise ValueError(f"{name!r}: kv_relay rows take no options (got {':'.join(parts[3:])!r}); {_USAGE}")
-    kind = match.group(1)
-    return KVRelaySpec(selector=parts[1], ratio=value if kind == "r" else None, budget=value if kind == "b" else None)
+    selector, kind, value, options = parse_selection_name(name, FAMILY, _USAGE, "positions")
+    if options:
+        raise ValueError(f"{name!r}: kv_relay rows take no options (got {':'.join(options)!r}); {_USAGE}")
+    return KVRelaySpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,34 @@ class RCLCSpec:
         return TUNED_SOFT_PROMPT if self.tuned else SELECTION_SOFT_PROMPT if self.selection_tuned else None
 
 
+def parse_selection_name(name: str, family: str, usage: str, unit: str) -> tuple[str, str, int, list[str]]:
+    """``(selector, "r" or "b", N, options)`` of ``<family>:<selector>:<r|b><N>[:option...]``, the
+    shape of the RCLC and KV relay rows' names (`unit`: what a budget counts, for messages).
+
+    Raises:
+        ValueError: another family, a missing or unknown selector, a missing or malformed budget, N < 1.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"method name must be a string, got {name!r}")
+    parts = name.strip().split(":")
+    if parts[0] != family:
+        raise ValueError(f"{name!r} is not {'an' if family[0] in 'aeiou' else 'a'} {family} method name: {usage}")
+    if len(parts) < 2 or not parts[1]:
+        raise ValueError(f"{name!r}: missing selector ({', '.join(sorted(SELECTORS))}); {usage}")
+    if parts[1] not in SELECTORS:
+        raise ValueError(f"{name!r}: unknown selector {parts[1]!r}; known: {', '.join(sorted(SELECTORS))}")
+    if len(parts) < 3 or not parts[2]:
+        raise ValueError(f"{name!r}: missing budget (r<N>: relative, ceil(T / N) {unit}; b<N>: at most N {unit}); "
+                         f"{usage}")
+    match = _BUDGET.fullmatch(parts[2])
+    if match is None:
+        raise ValueError(f"{name!r}: budget {parts[2]!r} is neither r<N> (relative) nor b<N> (bounded); {usage}")
+    value = int(match.group(2))
+    if value < 1:
+        raise ValueError(f"{name!r}: budget {parts[2]!r} must have N >= 1")
+    return parts[1], match.group(1), value, parts[3:]
+
+
 def parse_rclc_name(name: str) -> RCLCSpec:
     """Parse ``rclc:<selector>:<r|b><N>[:prefix|:tuned|:selection_tuned]``.
 
@@ -127,25 +155,7 @@ def parse_rclc_name(name: str) -> RCLCSpec:
             N < 1, an unknown or repeated option, ``:prefix`` with ``:tuned`` or
             ``:selection_tuned``, or both of those.
     """
-    if not isinstance(name, str):
-        raise ValueError(f"method name must be a string, got {name!r}")
-    parts = name.strip().split(":")
-    if parts[0] != FAMILY:
-        raise ValueError(f"{name!r} is not an rclc method name: {_USAGE}")
-    if len(parts) < 2 or not parts[1]:
-        raise ValueError(f"{name!r}: missing selector ({', '.join(sorted(SELECTORS))}); {_USAGE}")
-    selector = parts[1]
-    if selector not in SELECTORS:
-        raise ValueError(f"{name!r}: unknown selector {selector!r}; known: {', '.join(sorted(SELECTORS))}")
-    if len(parts) < 3 or not parts[2]:
-        raise ValueError(f"{name!r}: missing budget (r<N>: relative, ceil(T / N) rows; b<N>: at most N rows); {_USAGE}")
-    match = _BUDGET.fullmatch(parts[2])
-    if match is None:
-        raise ValueError(f"{name!r}: budget {parts[2]!r} is neither r<N> (relative) nor b<N> (bounded); {_USAGE}")
-    value = int(match.group(2))
-    if value < 1:
-        raise ValueError(f"{name!r}: budget {parts[2]!r} must have N >= 1")
-    options = parts[3:]
+    selector, kind, value, options = parse_selection_name(name, FAMILY, _USAGE, "rows")
     for option in options:
         if option not in OPTIONS:
             raise ValueError(f"{name!r}: unknown option {option!r}; options: {', '.join(':' + o for o in OPTIONS)}")
@@ -157,7 +167,6 @@ def parse_rclc_name(name: str) -> RCLCSpec:
         if "prefix" in options and tuned in options:
             raise ValueError(f"{name!r}: ':{tuned}' places the rows in the prompt (the layout {variant} was trained "
                              "with); it does not combine with ':prefix'")
-    kind = match.group(1)
     return RCLCSpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None,
                     placement="prefix" if "prefix" in options else "in_prompt", tuned="tuned" in options,
                     selection_tuned="selection_tuned" in options)

@@ -59,6 +59,21 @@ def wilson_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
+def accuracy_summary(predictions: Sequence[str], answers: Sequence[str]) -> dict:
+    """n, exact match, contains (each with its Wilson interval) and token F1 of predictions."""
+    from ..metrics import contains_answer, exact_match, token_f1
+
+    em = [float(exact_match(p, a)) for p, a in zip(predictions, answers)]
+    contains = [float(contains_answer(p, a)) for p, a in zip(predictions, answers)]
+    f1 = token_f1(list(predictions), list(answers)) if answers else []
+    return {"n": len(answers), "exact_match": _mean(em), "exact_match_ci": wilson_interval(em),
+            "contains": _mean(contains), "contains_ci": wilson_interval(contains), "f1": _mean(f1)}
+
+
+def _mean(x):
+    return sum(x) / len(x) if x else None
+
+
 def bootstrap_interval(values: Sequence[float], *, resamples: int = 1000, level: float = 0.95,
                        seed: int = 0) -> tuple[float, float] | None:
     """Percentile bootstrap interval of the mean of ``values`` (seeded, so reproducible).

@@ -45,12 +45,11 @@ from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
 from ..tasks import babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, make_facts
 from ..io import atomic_write_text
-from ..metrics import contains_answer, exact_match, token_f1
 from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, require_vllm
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
 from .methods import DEFAULT_METHODS
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
-from .report import latency_summary, wilson_interval, write_report
+from .report import accuracy_summary, latency_summary, write_report
 
 __all__ = ["DEFAULT_LIMIT", "DEFAULT_THROUGHPUT_N", "TaskSpec", "evaluate", "parse_task", "time_request"]
 
@@ -266,21 +265,11 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
         wire += built.wire_bytes
         tensor += built.tensor_bytes
         positions += [int(p.shape[0]) for p in built.prefixes]
-    answers = [r["answer"] for r in rows]
-    em = [float(exact_match(p, a)) for p, a in zip(predictions, answers)]
-    contains = [float(contains_answer(p, a)) for p, a in zip(predictions, answers)]
-    f1 = token_f1(predictions, answers) if rows else []
-
     def mean(x):
         return sum(x) / len(x) if x else None
 
     metrics = {
-        "n": len(rows),
-        "exact_match": mean(em),
-        "exact_match_ci": wilson_interval(em),
-        "contains": mean(contains),
-        "contains_ci": wilson_interval(contains),
-        "f1": mean(f1),
+        **accuracy_summary(predictions, [r["answer"] for r in rows]),
         "wire_bytes": mean(wire) if wire else 0.0,
         "tensor_bytes": mean(tensor) if tensor else 0.0,
         "prefill_positions": mean(positions) if positions else 0.0,
