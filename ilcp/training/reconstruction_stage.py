@@ -7,6 +7,12 @@ the sender's context text; the cross-entropy over the context tokens trains the 
 beta-VAE encoder and the projector end to end. It needs no labels, so it runs on every distinct
 training context before the answer stage (``reconstruct.steps > 0``), the way ICAE,
 500xCompressor and xRAG pretrain their compressors before any question is asked.
+
+A token codec (chunks of C tokens, K = C memory vectors per chunk) can also learn from a token
+loss: memory vector j of a chunk should read as the chunk's j-th token. Its first
+``reconstruct.token_steps`` steps use that loss alone, with no LM forward, on the task's contexts
+plus ``reconstruct.random_texts`` texts of random whole-word tokens drawn fresh at every step;
+``reconstruct.token_weight`` adds it to the later reconstruction steps.
 """
 
 from __future__ import annotations
