@@ -229,22 +229,24 @@ class HandoffModule(L.LightningModule):
         """Greedy answers of this variant for rows of a batch (default all of them)."""
         rows = list(range(len(batch["question"]))) if rows is None else rows
         memory, _ = self.memory(batch)
-        if self.selected is not None:
-            embed = self.lm.get_input_embeddings()
-            prompt = [embed(torch.tensor(self.selected[(batch["context"][i], batch["question"][i])],
-                                         device=embed.weight.device)) for i in rows]
-        elif self.source.placement != "prefix":
-            around = [prompts.memory_prompt(self.tokenizer, batch["question"][i], self.source.placement) for i in rows]
-            fmt = [self._format_vectors()] if self._format_vectors() is not None else []
-            prefixes = [assemble_prefix(self.lm, self.tokenizer, fmt + [before, memory[i], after])
-                        for i, (before, after) in zip(rows, around)]
-            return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
-                                 batch_size=self.cfg.batch_size)
-        else:
-            prompt = [self.prompt_text(batch["context"][i], batch["question"][i]) for i in rows]
-        prefixes = [assemble_prefix(self.lm, self.tokenizer, [memory[i], part]) for i, part in zip(rows, prompt)]
+        prefixes = [assemble_prefix(self.lm, self.tokenizer,
+                                    self._prefix_parts(memory[i], batch["context"][i], batch["question"][i]))
+                    for i in rows]
         return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
                              batch_size=self.cfg.batch_size)
+
+    def _prefix_parts(self, memory: Tensor, context: str, question: str) -> list:
+        """The receiver's prefix for one row, as `assemble_prefix` parts: the memory, then the
+        prompt (the selected rows for selection_tuned, the context-reading or question prompt
+        otherwise); with ``in_prompt`` placement, [format vectors ;] the prompt around the memory."""
+        if self.selected is not None:
+            embed = self.lm.get_input_embeddings()
+            return [memory, embed(torch.tensor(self.selected[(context, question)], device=embed.weight.device))]
+        if self.source.placement != "prefix":
+            before, after = prompts.memory_prompt(self.tokenizer, question, self.source.placement)
+            fmt = self._format_vectors()
+            return ([] if fmt is None else [fmt]) + [before, memory, after]
+        return [memory, self.prompt_text(context, question)]
 
     def configure_optimizers(self):
         return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.cfg.max_steps,
