@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ilcp.config import load_config
+
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS = REPO / "configs" / "sweep"
 
@@ -166,7 +168,7 @@ def test_shipped_sweeps_resolve(name, tmp_path):
     assert any(p.payload_dtype == "int8" for p in sweep.points)
     configs = [sweep.configs[p.run] for p in sweep.points]
     assert any(c.compressor.chunk_tokens > 0 for c in configs)
-    assert len({c.compressor.latent_dim for c in configs}) >= 3
+    assert len({(c.compressor.latent_dim, c.compressor.chunk_tokens) for c in configs}) >= 3
 
 
 def test_the_facts_sweep_has_the_promised_points():
@@ -177,11 +179,18 @@ def test_the_facts_sweep_has_the_promised_points():
     spec = cfg["spec-32"]
     assert (spec.compressor.pooling, spec.compressor.latent_dim, spec.compressor.chunk_tokens) == ("mean", 32, 0)
     assert not spec.handoff.finetune_encoder and spec.compressor.answer_head_weight == 0
-    assert cfg["single-128"].compressor.latent_dim == 128
     chunked = cfg["chunk12-64"].compressor
     assert (chunked.chunk_tokens, chunked.latent_dim) == (12, 64)
     assert cfg["chunk12-64-int8"] is cfg["chunk12-64"] and dtype["chunk12-64-int8"] == "int8"
-    assert cfg["chunk12-64-recon"].reconstruct.steps > 0 and cfg["chunk12-64"].reconstruct.steps == 0
+    codec = cfg["codec4-64"]  # the token codec of configs/facts-codec.yaml, on the sweep's 4-fact task
+    own = load_config(REPO / "configs" / "facts-codec.yaml")
+    for section in ("compressor", "reconstruct"):
+        for key in ("latent_dim", "chunk_tokens", "pooling", "token_steps", "steps", "token_weight", "random_texts"):
+            if hasattr(getattr(own, section), key):
+                assert getattr(getattr(codec, section), key) == getattr(getattr(own, section), key), (section, key)
+    assert codec.data.pool_layers == own.data.pool_layers == [0]
+    assert (codec.handoff.memory_placement, codec.handoff.num_memory_tokens) == ("in_prompt", 4)
+    assert cfg["codec4-64-int8"] is codec and dtype["codec4-64-int8"] == "int8"
     assert sweep.eval.tasks == ("facts-heldout",) and sweep.eval.facts_counts == (1, 8)
     assert sweep.out == Path("results/sweep-facts") and sweep.checkpoints == Path("checkpoints/sweep-facts")
     limited = sweep_script.load_sweep(SWEEPS / "facts.yaml", limit=20)
