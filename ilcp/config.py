@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .encoder import POOLING_KINDS as POOLINGS
+from .encoder import VOCABULARY_SNAPS
 from .prompts import MEMORY_PLACEMENTS
 from .lm import DEFAULT_LM
 
@@ -136,6 +137,12 @@ class HandoffConfig:
     memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "
                                          "question prompt, the spec) or 'in_prompt' (where the context text stands "
                                          "in the cold-read prompt; for a token codec)")
+    vocabulary_snap: str = _f("none", "ilcp: 'soft' reads each memory vector as a softmax mixture of the LM's token "
+                                      "embeddings (cosine at snap_temperature), 'hard' as the closest one "
+                                      "(straight-through gradient); 'none' reads the projected vectors")
+    snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax")
+    format_from: str = _f("", "ilcp with memory_placement=in_prompt: 'cold_read_tuned' puts that variant's trained "
+                              "vectors (frozen) before the whole prompt, trained first in the same run ('' = none)")
     selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
                                               "(cacheback, qsnap or chunkkv)")
     selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
@@ -160,6 +167,15 @@ class HandoffConfig:
         if self.memory_placement not in MEMORY_PLACEMENTS:
             raise ValueError(f"handoff.memory_placement must be one of {list(MEMORY_PLACEMENTS)}, "
                              f"got {self.memory_placement!r}")
+        if self.vocabulary_snap not in VOCABULARY_SNAPS or not self.snap_temperature > 0:
+            raise ValueError(f"handoff.vocabulary_snap must be one of {list(VOCABULARY_SNAPS)} and "
+                             f"handoff.snap_temperature > 0, got {self.vocabulary_snap!r}, {self.snap_temperature!r}")
+        if self.format_from not in ("", "cold_read_tuned"):
+            raise ValueError(f"handoff.format_from must be '' or 'cold_read_tuned', got {self.format_from!r}")
+        if self.format_from and (self.memory_placement == "prefix" or self.format_vectors
+                                 or "cold_read_tuned" not in self.variants or "ilcp" not in self.variants):
+            raise ValueError("handoff.format_from=cold_read_tuned needs handoff.memory_placement=in_prompt, "
+                             "handoff.format_vectors=0 and both ilcp and cold_read_tuned among handoff.variants")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
         if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:

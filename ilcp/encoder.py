@@ -28,11 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import torch.nn.functional as F
+
 from .compressor import BetaVAE, kl_divergence
 from .pooling import AttentionPooler, ConcatPooler, masked_mean_pool
 from .projector import GatedLatentToMemoryProjector
 
 POOLING_KINDS = ("mean", "attention", "concat")
+VOCABULARY_SNAPS = ("none", "soft", "hard")
 Pooler = AttentionPooler | ConcatPooler
 
 
@@ -69,6 +72,8 @@ class ILCPEncoder(nn.Module):
         self.encoder_frozen = False
         self.placement = "prefix"  # where the receiver reads the memory (`ilcp.prompts.memory_prompt`)
         self.format_prompt: FormatPrompt | None = None  # learned vectors before the whole prompt
+        self.vocabulary_snap, self.snap_temperature = "none", 0.02  # see `snap_to_vocabulary`
+        self._vocabulary: tuple[Tensor, Tensor] | None = None  # (the LM's embedding rows, 1 / their norms)
 
     # -------------------------------------------------------------------------- description
 
@@ -135,13 +140,40 @@ class ILCPEncoder(nn.Module):
 
     # ---------------------------------------------------------------------------- receiver
 
+    def set_vocabulary_snap(self, mode: str, temperature: float = 0.02) -> None:
+        """Whether `memory` replaces each projected vector by the LM's token embeddings it is
+        closest to (see `snap_to_vocabulary`): "none", "soft" or "hard"."""
+        if mode not in VOCABULARY_SNAPS:
+            raise ValueError(f"vocabulary snap must be one of {list(VOCABULARY_SNAPS)}, got {mode!r}")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"the snap temperature must be > 0, got {temperature!r}")
+        self.vocabulary_snap, self.snap_temperature = mode, float(temperature)
+
+    def bind_vocabulary(self, embedding_weight: Tensor) -> None:
+        """The receiver LM's input-embedding rows (V, H), which a snapping encoder maps its memory
+        onto. Held by reference, outside the state dict: the export never carries them."""
+        if embedding_weight.dim() != 2 or embedding_weight.shape[1] != self._projector().model_hidden:
+            raise ValueError(f"the embedding rows are {tuple(embedding_weight.shape)}; this projector writes vectors "
+                             f"of {self._projector().model_hidden}")
+        weight = embedding_weight.detach()
+        self._vocabulary = (weight, 1.0 / weight.float().norm(dim=-1).clamp_min(1e-8))
+
     def memory(self, latent: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """z (B, Z) -> memory vectors (B, K, H); with chunks, z (B, N, Z) -> (B, N * K, H), each
-        latent's K vectors in chunk order. Cast to `dtype` when given."""
+        latent's K vectors in chunk order, snapped to the vocabulary when the encoder does so.
+        Cast to `dtype` when given."""
         if latent.dim() == 3:
             b, n, z = latent.shape
-            return self._projector()(latent.reshape(b * n, z), dtype=dtype).reshape(b, -1, self.projector.model_hidden)
-        return self._projector()(latent, dtype=dtype)
+            vectors = self._projector()(latent.reshape(b * n, z), dtype=torch.float32)
+            vectors = vectors.reshape(b, -1, self.projector.model_hidden)
+        else:
+            vectors = self._projector()(latent, dtype=torch.float32)
+        if self.vocabulary_snap != "none":
+            if self._vocabulary is None:
+                raise ValueError("this encoder snaps its memory to the LM's vocabulary: bind_vocabulary(the LM's "
+                                 "input-embedding weight) first")
+            vectors = snap_to_vocabulary(vectors, *self._vocabulary, self.vocabulary_snap, self.snap_temperature)
+        return vectors if dtype is None else vectors.to(dtype)
 
     # ---------------------------------------------------------------------------- training
 
@@ -169,7 +201,7 @@ class ILCPEncoder(nn.Module):
         """Optimizer groups: the projector at `lr`, pooler and VAE at `encoder_lr` unless frozen."""
         groups = [{"params": list(self._projector().parameters()), "lr": lr}]
         if self.format_prompt is not None:
-            groups[0]["params"] += list(self.format_prompt.parameters())
+            groups[0]["params"] += [p for p in self.format_prompt.parameters() if p.requires_grad]
         if not self.encoder_frozen:
             encoder = list(self.vae.parameters()) + (list(self.pooler.parameters()) if self.pooler is not None else [])
             groups.append({"params": encoder, "lr": encoder_lr})
@@ -187,13 +219,14 @@ class ILCPEncoder(nn.Module):
 class FormatPrompt(nn.Module):
     """K learned vectors a receiver reads before its whole prompt, the same for every context:
     with ``in_prompt`` memory, they teach the answer's form the way cold_read_tuned's vectors do,
-    so the projector need not bend the context's vectors to do it."""
+    so the projector need not bend the context's vectors to do it. ``trainable=False`` keeps
+    given vectors as they are (cold_read_tuned's, with ``handoff.format_from``)."""
 
-    def __init__(self, vectors: Tensor):
+    def __init__(self, vectors: Tensor, trainable: bool = True):
         super().__init__()
         if vectors.dim() != 2:
             raise ValueError(f"format vectors are (K, H), got shape {tuple(vectors.shape)}")
-        self.vectors = nn.Parameter(vectors.detach().float().clone())
+        self.vectors = nn.Parameter(vectors.detach().float().clone(), requires_grad=trainable)
 
     @property
     def num_vectors(self) -> int:
@@ -241,6 +274,26 @@ class ConstantMemory(nn.Module):
 
 
 MemorySource = ILCPEncoder | ConstantMemory
+
+
+def snap_to_vocabulary(vectors: Tensor, table: Tensor, inverse_norms: Tensor, mode: str,
+                       temperature: float) -> Tensor:
+    """Memory vectors (..., H) -> mixtures of the LM's embedding rows `table` (V, H), float32.
+
+    The weights are a softmax over the cosine similarity of each vector to every row, at
+    `temperature`: "soft" reads that mixture; "hard" reads the closest row itself, with the soft
+    mixture's gradient (straight-through). A frozen LM reads its own token embeddings as it was
+    trained to, where a projected vector that is merely close to one reads as noise.
+    """
+    table = table.to(vectors.device)
+    cosine = (F.normalize(vectors, dim=-1).to(table.dtype) @ table.T).float() * inverse_norms.to(vectors.device)
+    if mode == "hard" and not (torch.is_grad_enabled() and vectors.requires_grad):
+        return table[cosine.argmax(-1)].float()
+    weights = torch.softmax(cosine / temperature, dim=-1)
+    if mode == "hard":
+        hard = F.one_hot(cosine.argmax(-1), table.shape[0]).to(weights.dtype)
+        weights = hard + weights - weights.detach()
+    return (weights.to(table.dtype) @ table).float()
 
 
 def pool_states(pooler: Pooler | None, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import __version__
 from .compressor import BetaVAE
-from .encoder import POOLING_KINDS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
+from .encoder import POOLING_KINDS, VOCABULARY_SNAPS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .pooling import AttentionPooler, ConcatPooler
 from .prompts import MEMORY_PLACEMENTS
@@ -159,6 +159,8 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     placement = {"memory_placement": encoder.placement} if encoder.placement != "prefix" else {}
     if encoder.format_prompt is not None:
         placement["format_vectors"] = encoder.format_prompt.num_vectors
+    if encoder.vocabulary_snap != "none":
+        placement["vocabulary_snap"] = {"mode": encoder.vocabulary_snap, "temperature": encoder.snap_temperature}
     return {
         **placement,
         "latent_dim": vae.latent_dim,
@@ -311,6 +313,8 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
     encoder.placement = config.get("memory_placement", "prefix")
     if config.get("format_vectors"):
         encoder.format_prompt = FormatPrompt(torch.zeros(int(config["format_vectors"]), config["lm"]["hidden_size"]))
+    if "vocabulary_snap" in config:
+        encoder.set_vocabulary_snap(config["vocabulary_snap"]["mode"], config["vocabulary_snap"]["temperature"])
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -422,6 +426,13 @@ def _check_schema(config: dict, where: Path) -> None:
         _field(config, "pooling.chunk_tokens", int, where, minimum=1 if kind == "concat" else 0,
                required=kind == "concat")
         _field(config, "format_vectors", int, where, minimum=0, required=False)
+        if "vocabulary_snap" in config:
+            _field(config, "vocabulary_snap", dict, where)
+            mode = _field(config, "vocabulary_snap.mode", str, where)
+            if mode not in VOCABULARY_SNAPS:
+                raise ExportError(f"{where}: 'vocabulary_snap.mode' must be one of {list(VOCABULARY_SNAPS)}, got {mode!r}")
+            if not _field(config, "vocabulary_snap.temperature", (int, float), where) > 0:
+                raise ExportError(f"{where}: 'vocabulary_snap.temperature' must be > 0")
         placement = config.get("memory_placement", "prefix")
         if placement not in MEMORY_PLACEMENTS:
             raise ExportError(f"{where}: 'memory_placement' must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")

@@ -113,6 +113,7 @@ class ILCPHandoff:
         self.config = copy.deepcopy(config)
         self.device = torch.device(device) if device is not None else lm.device
         self.encoder = encoder.to(self.device).float().eval()
+        self.encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)  # used when the encoder snaps
         self.source: Path | None = None
 
     # ---------------------------------------------------------------------------------- loading

@@ -49,9 +49,12 @@ def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEn
     return encoder
 
 
-def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None) -> MemorySource:
+def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None,
+                       trained: dict[str, MemorySource] | None = None) -> MemorySource:
     """The memory source a variant starts from; for ilcp, the encoder of the earlier stages, with
-    a new projector unless the reconstruction stage trained one, frozen unless fine-tuned."""
+    a new projector unless the reconstruction stage trained one, frozen unless fine-tuned, and
+    with ``handoff.format_from`` the named variant's vectors, taken from `trained` (the variants
+    trained so far)."""
     if variant == "ilcp":
         if encoder is None:
             raise ValueError("the ilcp variant needs the stage-1 encoder")
@@ -60,7 +63,13 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
         encoder.placement = cfg.memory_placement
-        if cfg.format_vectors and encoder.format_prompt is None:
+        encoder.set_vocabulary_snap(cfg.vocabulary_snap, cfg.snap_temperature)
+        encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)
+        if cfg.format_from:
+            if cfg.format_from not in (trained or {}):
+                raise ValueError(f"handoff.format_from={cfg.format_from}: that variant must be trained before ilcp")
+            encoder.format_prompt = FormatPrompt(trained[cfg.format_from].soft_prompt, trainable=False)
+        elif cfg.format_vectors and encoder.format_prompt is None:
             rows = ConstantMemory.from_embedding_rows(lm.model, cfg.format_vectors, reads_context_text=False)
             encoder.format_prompt = FormatPrompt(rows.soft_prompt)
         return encoder
@@ -271,12 +280,13 @@ class HandoffModule(L.LightningModule):
 
 
 def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModule, encoder: ILCPEncoder | None,
-                  resume: bool) -> tuple[MemorySource, dict]:
-    """Stage 2 for one variant: its trained memory source (best validation weights) and metrics."""
+                  resume: bool, trained: dict[str, MemorySource] | None = None) -> tuple[MemorySource, dict]:
+    """Stage 2 for one variant: its trained memory source (best validation weights) and metrics;
+    `trained`: the variants trained before it in this run."""
     stage_dir = cfg.run_dir / "stages" / variant
     done = stage_dir / f"{variant}.safetensors"
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    source = make_memory_source(variant, cfg.handoff, lm, encoder)
+    source = make_memory_source(variant, cfg.handoff, lm, encoder, trained)
     if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         export.load_trained_state(source, load_file(str(done)), origin=str(done))
         say(f"stage 2 ({variant}): finished earlier, loaded")

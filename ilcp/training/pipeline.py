@@ -113,8 +113,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
             _stage_done("reconstruct")
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     sources, variant_metrics = {}, {}
-    for variant in cfg.handoff.variants:
-        sources[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, encoder, resume)
+    for variant in training_order(cfg):
+        sources[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, encoder, resume, sources)
         say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
         _stage_done(variant)
     metrics = {
@@ -126,6 +126,16 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
         export.export_run(cfg, lm, sources, metrics)
     say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
+
+
+def training_order(cfg: TrainConfig) -> list[str]:
+    """The configured variants in order, but for the one ilcp reads its format vectors from
+    (``handoff.format_from``), which is trained first."""
+    order = list(cfg.handoff.variants)
+    if cfg.handoff.format_from:
+        order.remove(cfg.handoff.format_from)
+        order.insert(0, cfg.handoff.format_from)
+    return order
 
 
 def _stage_done(name: str) -> None:

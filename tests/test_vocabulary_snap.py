@@ -1,0 +1,114 @@
+"""Memory snapped to the LM's vocabulary, and ilcp reading cold_read_tuned's vectors, on the tiny LM."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from ilcp.compressor import BetaVAE
+from ilcp.config import load_config
+from ilcp.encoder import ILCPEncoder, snap_to_vocabulary
+from ilcp.export import ExportError, read_config
+from ilcp.handoff import ILCPHandoff
+from ilcp.training import train
+from ilcp.training.handoff_stage import attach_projector
+from ilcp.training.pipeline import training_order
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def _table(v=50, h=16, seed=0):
+    table = torch.randn(v, h, generator=torch.Generator().manual_seed(seed))
+    return table, 1.0 / table.norm(dim=-1)
+
+
+def test_hard_snap_reads_the_closest_embedding_row_and_passes_the_soft_gradient():
+    table, inv = _table()
+    vectors = (table[[3, 17, 41]] * 2.5 + 0.05 * torch.randn(3, 16)).requires_grad_(True)  # scaled, noisy rows
+    with torch.no_grad():
+        assert torch.equal(snap_to_vocabulary(vectors, table, inv, "hard", 0.02), table[[3, 17, 41]])
+    snapped = snap_to_vocabulary(vectors, table, inv, "hard", 0.5)
+    torch.testing.assert_close(snapped, table[[3, 17, 41]])  # forward: the rows themselves
+    (snapped * torch.randn(3, 16)).sum().backward()
+    assert vectors.grad is not None and vectors.grad.abs().sum() > 0  # backward: the soft mixture's gradient
+
+
+def test_soft_snap_is_a_mixture_of_rows_that_sharpens_with_the_temperature():
+    table, inv = _table()
+    vectors = torch.randn(4, 16)
+    cold = snap_to_vocabulary(vectors, table, inv, "soft", 1e-4)
+    hard = snap_to_vocabulary(vectors, table, inv, "hard", 1e-4)
+    torch.testing.assert_close(cold, hard)
+    warm = snap_to_vocabulary(vectors, table, inv, "soft", 10.0)
+    weights = torch.softmax((F.normalize(vectors, dim=-1) @ F.normalize(table, dim=-1).T) / 10.0, dim=-1)
+    torch.testing.assert_close(warm, weights @ table)
+
+
+def test_a_snapping_encoder_needs_the_vocabulary_and_a_valid_mode(tiny_lm):
+    cfg = load_config(TINY_CONFIG)
+    encoder = attach_projector(ILCPEncoder(BetaVAE(tiny_lm.hidden_size, 8, 16)), cfg.handoff, tiny_lm)
+    z = torch.randn(2, 8)
+    encoder.set_vocabulary_snap("hard")
+    with pytest.raises(ValueError, match="bind_vocabulary"):
+        encoder.memory(z)
+    with pytest.raises(ValueError, match="this projector writes vectors of"):
+        encoder.bind_vocabulary(torch.zeros(10, tiny_lm.hidden_size + 1))
+    table = tiny_lm.model.get_input_embeddings().weight
+    encoder.bind_vocabulary(table)
+    with torch.no_grad():
+        memory = encoder.memory(z)
+    rows = table.detach()[(F.normalize(memory, dim=-1) @ F.normalize(table.detach(), dim=-1).T).argmax(-1)]
+    assert memory.shape == (2, cfg.handoff.num_memory_tokens, tiny_lm.hidden_size)
+    assert torch.equal(memory, rows.float())  # every memory vector is a token embedding
+    assert "_vocabulary" not in "".join(encoder.state_dict())  # never part of the weights
+    with pytest.raises(ValueError, match="vocabulary snap must be one of"):
+        encoder.set_vocabulary_snap("round")
+    with pytest.raises(ValueError, match="vocabulary_snap"):
+        load_config(TINY_CONFIG, ["handoff.vocabulary_snap=round"])
+    with pytest.raises(ValueError, match="snap_temperature"):
+        load_config(TINY_CONFIG, ["handoff.snap_temperature=0"])
+
+
+def test_format_from_needs_in_prompt_memory_and_both_variants():
+    base = ["handoff.memory_placement=in_prompt", "handoff.format_from=cold_read_tuned"]
+    with pytest.raises(ValueError, match="format_from"):
+        load_config(TINY_CONFIG, ["handoff.format_from=prompt_tuned"])
+    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+        load_config(TINY_CONFIG, base + ["handoff.variants=[ilcp]"])
+    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+        load_config(TINY_CONFIG, ["handoff.format_from=cold_read_tuned"])  # prefix memory
+    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+        load_config(TINY_CONFIG, base + ["handoff.format_vectors=2"])
+    cfg = load_config(TINY_CONFIG, base + ["handoff.variants=[ilcp, prompt_tuned, cold_read_tuned]"])
+    assert training_order(cfg) == ["cold_read_tuned", "ilcp", "prompt_tuned"]
+    assert training_order(load_config(TINY_CONFIG)) == list(load_config(TINY_CONFIG).handoff.variants)
+
+
+def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_path, tiny_lm):
+    result = train(load_config(TINY_CONFIG, [
+        f"out_dir={tmp_path}", "run_name=snap", "trainer.progress=false", "handoff.memory_placement=in_prompt",
+        "handoff.format_from=cold_read_tuned", "handoff.vocabulary_snap=hard", "handoff.snap_temperature=0.1",
+        "handoff.variants=[ilcp, cold_read_tuned]"]), lm=tiny_lm)
+    config = read_config(result.run_dir)
+    assert config["vocabulary_snap"] == {"mode": "hard", "temperature": 0.1}
+    assert config["format_vectors"] == config["num_memory_tokens"]
+    trained_prompt = load_file(str(result.run_dir / "cold_read_tuned.safetensors"))
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    # ilcp read cold_read_tuned's trained vectors, frozen: the export holds them unchanged
+    torch.testing.assert_close(handoff.encoder.format_prompt.vectors.detach(), next(iter(trained_prompt.values())))
+    assert result.metrics["variants"]["ilcp"]["steps"] > 0
+    wire = handoff.to_wire(handoff.send("Mary moved to the bathroom."))
+    memory = handoff.memory_vectors(wire)[0]
+    table = tiny_lm.model.get_input_embeddings().weight.detach().float()
+    assert all(any(torch.equal(row, t) for t in table) for row in memory)  # rows of the vocabulary
+    assert isinstance(handoff.receive(wire, "Where is Mary?"), str)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(result.run_dir, tampered)
+    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "round",
+                                                                                   "temperature": 0.1})))
+    with pytest.raises(ExportError, match="vocabulary_snap.mode"):
+        read_config(tampered)
