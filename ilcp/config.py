@@ -141,8 +141,9 @@ class HandoffConfig:
                                       "embeddings (cosine at snap_temperature), 'hard' as the closest one "
                                       "(straight-through gradient); 'none' reads the projected vectors")
     snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax")
-    format_from: str = _f("", "ilcp with memory_placement=in_prompt: 'cold_read_tuned' puts that variant's trained "
-                              "vectors (frozen) before the whole prompt, trained first in the same run ('' = none)")
+    format_from: str = _f("", "ilcp with memory_placement=in_prompt: cold_read_tuned's trained vectors (frozen) "
+                              "before the whole prompt: 'cold_read_tuned' trains them first in the same run; a "
+                              "path reads them from another run's export, for the same LM ('' = none)")
     selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
                                               "(cacheback, qsnap or chunkkv)")
     selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
@@ -170,12 +171,15 @@ class HandoffConfig:
         if self.vocabulary_snap not in VOCABULARY_SNAPS or not self.snap_temperature > 0:
             raise ValueError(f"handoff.vocabulary_snap must be one of {list(VOCABULARY_SNAPS)} and "
                              f"handoff.snap_temperature > 0, got {self.vocabulary_snap!r}, {self.snap_temperature!r}")
-        if self.format_from not in ("", "cold_read_tuned"):
-            raise ValueError(f"handoff.format_from must be '' or 'cold_read_tuned', got {self.format_from!r}")
-        if self.format_from and (self.memory_placement == "prefix" or self.format_vectors
-                                 or "cold_read_tuned" not in self.variants or "ilcp" not in self.variants):
-            raise ValueError("handoff.format_from=cold_read_tuned needs handoff.memory_placement=in_prompt, "
-                             "handoff.format_vectors=0 and both ilcp and cold_read_tuned among handoff.variants")
+        if not isinstance(self.format_from, str):
+            raise ValueError(f"handoff.format_from must be '', 'cold_read_tuned' or a run directory, "
+                             f"got {self.format_from!r}")
+        if self.format_from and (self.memory_placement == "prefix" or self.format_vectors or "ilcp" not in self.variants):
+            raise ValueError("handoff.format_from needs handoff.memory_placement=in_prompt, handoff.format_vectors=0 "
+                             "and ilcp among handoff.variants")
+        if self.format_from == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
+            raise ValueError("handoff.format_from=cold_read_tuned trains cold_read_tuned first: add it to "
+                             "handoff.variants, or name another run's directory")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
         if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:

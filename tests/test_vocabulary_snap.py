@@ -73,19 +73,41 @@ def test_a_snapping_encoder_needs_the_vocabulary_and_a_valid_mode(tiny_lm):
         load_config(TINY_CONFIG, ["handoff.snap_temperature=0"])
 
 
-def test_format_from_needs_in_prompt_memory_and_both_variants():
+def test_format_from_needs_in_prompt_memory_and_a_cold_read_tuned_to_read():
     base = ["handoff.memory_placement=in_prompt", "handoff.format_from=cold_read_tuned"]
-    with pytest.raises(ValueError, match="format_from"):
-        load_config(TINY_CONFIG, ["handoff.format_from=prompt_tuned"])
-    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+    with pytest.raises(ValueError, match="add it to handoff.variants"):
         load_config(TINY_CONFIG, base + ["handoff.variants=[ilcp]"])
-    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+    with pytest.raises(ValueError, match="format_from needs"):
         load_config(TINY_CONFIG, ["handoff.format_from=cold_read_tuned"])  # prefix memory
-    with pytest.raises(ValueError, match="format_from=cold_read_tuned needs"):
+    with pytest.raises(ValueError, match="format_from needs"):
         load_config(TINY_CONFIG, base + ["handoff.format_vectors=2"])
+    with pytest.raises(ValueError, match="format_from needs"):
+        load_config(TINY_CONFIG, base + ["handoff.variants=[cold_read_tuned]"])
     cfg = load_config(TINY_CONFIG, base + ["handoff.variants=[ilcp, prompt_tuned, cold_read_tuned]"])
     assert training_order(cfg) == ["cold_read_tuned", "ilcp", "prompt_tuned"]
     assert training_order(load_config(TINY_CONFIG)) == list(load_config(TINY_CONFIG).handoff.variants)
+    # another run's directory: read when training starts, not when the config is checked
+    other = load_config(TINY_CONFIG, ["handoff.memory_placement=in_prompt", "handoff.format_from=runs/ref",
+                                      "handoff.variants=[ilcp]"])
+    assert training_order(other) == ["ilcp"]
+
+
+def test_format_from_another_run_reads_its_cold_read_tuned_and_refuses_what_it_cannot_read(tmp_path, tiny_lm):
+    common = [f"out_dir={tmp_path}", "trainer.progress=false", "handoff.max_steps=2", "handoff.val_every_steps=2"]
+    ref = train(load_config(TINY_CONFIG, common + ["run_name=ref", "handoff.variants=[cold_read_tuned]"]), lm=tiny_lm)
+    reader = common + ["handoff.memory_placement=in_prompt", "handoff.variants=[ilcp]"]
+    result = train(load_config(TINY_CONFIG, reader + ["run_name=reader", f"handoff.format_from={ref.run_dir}"]),
+                   lm=tiny_lm)
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    torch.testing.assert_close(handoff.encoder.format_prompt.vectors.detach(),
+                               ref.sources["cold_read_tuned"].soft_prompt.detach())
+    with pytest.raises(ValueError, match="not a run directory"):
+        train(load_config(TINY_CONFIG, reader + ["run_name=r2", f"handoff.format_from={tmp_path / 'missing'}"]),
+              lm=tiny_lm)
+    assert not (tmp_path / "r2" / "stages").exists()  # refused before any stage
+    with pytest.raises(ValueError, match="trained no cold_read_tuned"):
+        train(load_config(TINY_CONFIG, reader + ["run_name=r3", f"handoff.format_from={result.run_dir}"]),
+              lm=tiny_lm)
 
 
 def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_path, tiny_lm):

@@ -66,9 +66,7 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
         encoder.set_vocabulary_snap(cfg.vocabulary_snap, cfg.snap_temperature)
         encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)
         if cfg.format_from:
-            if cfg.format_from not in (trained or {}):
-                raise ValueError(f"handoff.format_from={cfg.format_from}: that variant must be trained before ilcp")
-            encoder.format_prompt = FormatPrompt(trained[cfg.format_from].soft_prompt, trainable=False)
+            encoder.format_prompt = FormatPrompt(format_vectors_from(cfg.format_from, lm, trained), trainable=False)
         elif cfg.format_vectors and encoder.format_prompt is None:
             rows = ConstantMemory.from_embedding_rows(lm.model, cfg.format_vectors, reads_context_text=False)
             encoder.format_prompt = FormatPrompt(rows.soft_prompt)
@@ -77,6 +75,26 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
         return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
                                                   reads_context_text=variant != "prompt_tuned")
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def format_vectors_from(name: str, lm: LM, trained: dict[str, MemorySource] | None = None) -> Tensor:
+    """cold_read_tuned's trained vectors (K, H) for ``handoff.format_from``: the variant trained
+    earlier in this run ("cold_read_tuned"), or the one exported in another run's directory,
+    which must have been trained for this LM."""
+    if name == "cold_read_tuned":
+        if name not in (trained or {}):
+            raise ValueError("handoff.format_from=cold_read_tuned: that variant must be trained before ilcp")
+        return trained[name].soft_prompt.detach()
+    run_dir = Path(name)
+    if not (run_dir / export.CONFIG_FILE).is_file():
+        raise ValueError(f"handoff.format_from={name!r}: not a run directory (no {export.CONFIG_FILE}); train that "
+                         "run first, or use format_from=cold_read_tuned")
+    run = export.read_export(run_dir)
+    export.check_fingerprint(run.config, lm.fingerprint)
+    if "cold_read_tuned" not in run.soft_prompts:
+        raise ValueError(f"handoff.format_from={name!r}: that run trained no cold_read_tuned "
+                         f"(files: {sorted(run.config['files'])})")
+    return run.soft_prompts["cold_read_tuned"]
 
 
 class HandoffModule(L.LightningModule):

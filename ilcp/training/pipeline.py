@@ -33,7 +33,7 @@ from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
 from .data import HandoffDataModule, prepare_data
 from .distributed import Processes, check_global_batch, is_main
-from .handoff_stage import train_variant
+from .handoff_stage import format_vectors_from, train_variant
 from .reconstruction_stage import train_reconstruction
 from .log import say
 
@@ -102,6 +102,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> T
         if lm is None:
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
+        if cfg.handoff.format_from not in ("", "cold_read_tuned"):
+            format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage
         train_rows, val_rows = prepare_data(cfg, lm)
     _stage_done("data")
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
@@ -132,7 +134,7 @@ def training_order(cfg: TrainConfig) -> list[str]:
     """The configured variants in order, but for the one ilcp reads its format vectors from
     (``handoff.format_from``), which is trained first."""
     order = list(cfg.handoff.variants)
-    if cfg.handoff.format_from:
+    if cfg.handoff.format_from in order:
         order.remove(cfg.handoff.format_from)
         order.insert(0, cfg.handoff.format_from)
     return order
