@@ -168,7 +168,7 @@ def test_shipped_sweeps_resolve(name, tmp_path):
     assert any(p.payload_dtype == "int8" for p in sweep.points)
     configs = [sweep.configs[p.run] for p in sweep.points]
     assert any(c.compressor.chunk_tokens > 0 for c in configs)
-    assert len({(c.compressor.latent_dim, c.compressor.chunk_tokens) for c in configs}) >= 3
+    assert len({(c.compressor.latent_dim, c.compressor.chunk_tokens) for c in configs}) >= 2
 
 
 def test_the_facts_sweep_has_the_promised_points():
