@@ -24,7 +24,7 @@ from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
-SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv")  # ilcp.rclc.selectors' built-in selectors
+SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv", "sentences")  # ilcp.rclc.selectors' built-in selectors
 
 
 def _f(default, help: str, **kw):
@@ -145,7 +145,7 @@ class HandoffConfig:
                               "before the whole prompt: 'cold_read_tuned' trains them first in the same run; a "
                               "path reads them from another run's export, for the same LM ('' = none)")
     selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
-                                              "(cacheback, qsnap or chunkkv)")
+                                              "(cacheback, qsnap, chunkkv or sentences)")
     selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
 
     def __post_init__(self):

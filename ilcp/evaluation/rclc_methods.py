@@ -6,7 +6,7 @@
     rclc:chunkkv:r16:tuned     cold_read_tuned's K vectors, then the in-prompt rows
     rclc:cacheback:r4:selection_tuned   selection_tuned's K vectors, then the in-prompt rows
 
-Selectors: ``cacheback``, ``qsnap``, ``chunkkv`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
+Selectors: ``cacheback``, ``qsnap``, ``chunkkv``, ``sentences`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
 the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budget
 ``min(N, T)`` (`ilcp.rclc.budget`); N >= 1.
 
@@ -78,12 +78,12 @@ TUNED_SOFT_PROMPT = "cold_read_tuned"
 SELECTION_SOFT_PROMPT = "selection_tuned"
 
 # Every selector keeps every row at r1 (the budget holds the whole sender), so one r1 row
-# stands for all three: rclc:qsnap:r1 and rclc:chunkkv:r1 give the same prefixes. bAbI task 1
+# stands for all of them: rclc:qsnap:r1 and rclc:chunkkv:r1 give the same prefixes. bAbI task 1
 # contexts hold about 39 SmolLM2 tokens (12 to 69 over the first 200 test questions), so b16
 # sits between r4 and r1 (b32 would keep every row of 80 of those 200 contexts).
 RCLC_METHODS = (
     "rclc:cacheback:r1",
-    *(f"rclc:{s}:{b}" for s in ("cacheback", "qsnap", "chunkkv") for b in ("r4", "r16", "b16")),
+    *(f"rclc:{s}:{b}" for s in ("cacheback", "qsnap", "chunkkv", "sentences") for b in ("r4", "r16", "b16")),
     "rclc:cacheback:r4:prefix",
     "rclc:cacheback:r4:tuned",
 )

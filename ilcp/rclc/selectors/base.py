@@ -94,6 +94,9 @@ def attention_profile(sender, request_ids: torch.Tensor | None, *, tail_queries:
     return AttentionProfile(request / layers, tail / layers, sink)
 
 
+_REDUCE = {"max": torch.max, "sum": torch.sum, "mean": torch.mean}
+
+
 def select_groups(
     scores: torch.Tensor,
     budget: int,
@@ -101,19 +104,24 @@ def select_groups(
     *,
     group_size: int = 1,
     reduce: str = "max",
+    spans: list[tuple[int, int]] | None = None,
+    trim_last: bool = True,
 ) -> torch.Tensor:
-    """Keep ``protected``, then whole groups of ``group_size`` positions by descending group score.
+    """Keep ``protected``, then whole groups of positions by descending group score.
 
-    Groups are consecutive, aligned at 0; a group's score is the max or sum of its positions'
-    scores. The last group that does not fit is trimmed to its best-scoring positions. Ties go
-    to the earlier position.
+    Groups are ``spans`` (``[start, stop)`` pairs covering ``[0, T)`` in order) when given, else
+    consecutive groups of ``group_size`` aligned at 0; a group's score is the max, sum or mean of
+    its positions' scores. With ``trim_last`` the first group that does not fit is trimmed to its
+    best-scoring positions and fills the budget; without, a group that does not fit is skipped
+    (a later, shorter one may fit) and the budget may be left partly unused. Ties go to the
+    earlier position.
 
     Args:
         scores: [T] per-position scores.
-        budget: positions to return (at least ``len(protected)``; at most T are returned).
+        budget: positions to return at most (at least ``len(protected)``; at most T).
         protected: int64 [P] positions kept unconditionally.
     Returns:
-        int64 [min(budget, T)] sorted positions.
+        int64 sorted positions: [min(budget, T)] with ``trim_last``.
     """
     total = int(scores.shape[0])
     keep = torch.zeros(total, dtype=torch.bool)
@@ -121,28 +129,43 @@ def select_groups(
     left = min(budget, total) - int(keep.sum())
     if left < 0:
         raise ValueError(f"budget {budget} is smaller than the {int(keep.sum())} protected positions")
+    if reduce not in _REDUCE:
+        raise ValueError(f"reduce must be one of {sorted(_REDUCE)}, got {reduce!r}")
     scores = scores.float().cpu()
-    starts = list(range(0, total, group_size))
-    if reduce == "max":
-        group_scores = torch.stack([scores[s:s + group_size].max() for s in starts])
-    elif reduce == "sum":
-        group_scores = torch.stack([scores[s:s + group_size].sum() for s in starts])
+    if spans is None:
+        spans = [(s, min(s + group_size, total)) for s in range(0, total, group_size)]
     else:
-        raise ValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
+        _check_spans(spans, total)
+    group_scores = torch.stack([_REDUCE[reduce](scores[a:b]) for a, b in spans])
     order = torch.sort(-group_scores, stable=True).indices.tolist()
     for g in order:
         if left <= 0:
             break
-        members = torch.arange(starts[g], min(starts[g] + group_size, total))
+        members = torch.arange(*spans[g])
         members = members[~keep[members]]
         if members.numel() == 0:
             continue
         if members.numel() > left:
+            if not trim_last:
+                continue
             best = torch.sort(-scores[members], stable=True).indices[:left]
             members = members[best]
         keep[members] = True
         left -= int(members.numel())
     return keep.nonzero().flatten()
+
+
+def _check_spans(spans: list[tuple[int, int]], total: int) -> None:
+    """ValueError unless ``spans`` are non-empty ``[start, stop)`` pairs tiling ``[0, total)`` in order."""
+    edge = 0
+    for start, stop in spans:
+        if start != edge or stop <= start:
+            break
+        edge = stop
+    else:
+        if edge == total:
+            return
+    raise ValueError(f"spans must tile [0, {total}) in order, got {list(spans)[:6]}")
 
 
 def validate_positions(positions, total: int, budget: int) -> torch.Tensor:
@@ -190,6 +213,12 @@ class Selector:
     tail_queries = 0
     group_size = 1
     group_reduce = "max"
+    trim_last = True
+
+    def spans(self, sender) -> list[tuple[int, int]] | None:
+        """The groups selection keeps whole, as ``[start, stop)`` pairs covering the sender's
+        positions; None: consecutive groups of ``group_size``."""
+        return None
 
     def protected_positions(self, sender) -> torch.Tensor:
         """int64 [P]: position 0 and the latent tail."""
@@ -223,7 +252,8 @@ class Selector:
         profile = attention_profile(sender, request_ids, tail_queries=self.tail_queries, sink_size=self.sink_size)
         scores = self.score(profile)
         scores[: profile.sink] = 0.0
-        return select_groups(scores, budget, protected, group_size=self.group_size, reduce=self.group_reduce)
+        return select_groups(scores, budget, protected, group_size=self.group_size, reduce=self.group_reduce,
+                             spans=self.spans(sender), trim_last=self.trim_last)
 
 
 def is_builtin(selector) -> bool:
