@@ -313,6 +313,17 @@ class Agent:
         with MODEL_LOCK:
             return self._backend.embed(ids[0]), ids[0], 0, 0
 
+    def _current_cache(self, rows: torch.Tensor):
+        """The cache the agent holds for exactly ``rows`` (the explicit state's, or the prefilled
+        history's), or None."""
+        if self._explicit is not None:
+            held = self._explicit
+        elif self._history is not None and self._history[1].input_embeds is rows:
+            held = self._history[1]
+        else:
+            return None
+        return held.past_key_values if held.input_embeds is rows else None
+
     # ---------------------------------------------------------------------------------------
     # the receiver protocol (`RowReceiver`: transfer calls these), delegated to the inbox
 
@@ -358,7 +369,10 @@ class Agent:
     async def inputs(self, max_new_tokens: int | None = None) -> dict:
         """Generation inputs for the retained state, recorded as pending (no queued handoff is consumed).
 
-        The retained rows are passed whole as ``inputs_embeds``, so generation prefills them once.
+        The retained rows are passed whole as ``inputs_embeds``. On HF, when the agent already
+        holds their cache (an explicit state, or the prefilled history), a copy of it comes along
+        (``past_key_values``, or ``cache`` where transformers names it so), so generation
+        prefills only the last row; otherwise generation prefills them once.
 
         Returns:
             ``{"inputs_embeds": [1, T, hidden], "attention_mask": int64 [1, T], "max_new_tokens": n}``
@@ -377,7 +391,8 @@ class Agent:
                     f"{rows.shape[0]} retained positions + {allowance} output positions exceed the "
                     f"context limit of {self.context_limit}"
                 )
-            inputs = self._backend.generation_inputs(rows, allowance)
+            with MODEL_LOCK:
+                inputs = self._backend.generation_inputs(rows, allowance, cache=self._current_cache(rows))
         self._pending = PendingInputs(inputs=inputs, embeds=self._backend.input_rows(inputs), token_ids=ids.clone(),
                                       inherited_positions=inherited, source="inputs")
         return inputs

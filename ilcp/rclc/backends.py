@@ -215,15 +215,25 @@ class HFBackend:
     def check_generation_inputs(self, inputs: dict, positions: int) -> None:
         """Refuse inputs edited past what update can record (HF: nothing to check)."""
 
-    def generation_inputs(self, rows: torch.Tensor, max_new_tokens: int) -> dict:
+    def generation_inputs(self, rows: torch.Tensor, max_new_tokens: int, cache=None) -> dict:
         """``model.generate(**inputs)`` arguments for continuous rows [P, hidden]:
-        ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``."""
+        ``{"inputs_embeds": [1, P, hidden], "attention_mask": int64 [1, P], "max_new_tokens": n}``.
+
+        ``cache``: a cache built from exactly a prefix of ``rows`` (the retained state's). A copy
+        of it, cropped to at most P - 1 positions, is passed along, so generation prefills only
+        the rows it does not hold instead of all P (the state's own cache is never modified)."""
         embeds = rows.detach().clone().unsqueeze(0)
-        return {
+        inputs = {
             "inputs_embeds": embeds,
             "attention_mask": torch.ones(1, embeds.shape[1], dtype=torch.long, device=embeds.device),
             "max_new_tokens": max_new_tokens,
         }
+        held = 0 if cache is None else min(compat.cache_length(cache), embeds.shape[1] - 1)
+        if held > 0:
+            copy = compat.clone_cache(cache)
+            compat.crop_cache(copy, held)
+            inputs.update(compat.cache_kwargs(self.model, copy))
+        return inputs
 
     # ---------------------------------------------------------------------------------------
     # states (callers hold MODEL_LOCK)

@@ -507,9 +507,10 @@ class VLLMBackend(HFBackend):
         params.max_tokens = max_new_tokens
         return params
 
-    def generation_inputs(self, rows: torch.Tensor, max_new_tokens: int) -> dict:
+    def generation_inputs(self, rows: torch.Tensor, max_new_tokens: int, cache=None) -> dict:
         """``llm.generate(**inputs)`` arguments: ``{"prompts": {"prompt_embeds": [P, hidden] on the CPU},
-        "sampling_params": SamplingParams(max_tokens=n, ...), "use_tqdm": False}``."""
+        "sampling_params": SamplingParams(max_tokens=n, ...), "use_tqdm": False}``. ``cache`` is
+        not used: the engine holds its own (prefix caching)."""
         return {
             "prompts": {"prompt_embeds": rows.detach().to("cpu").clone()},
             "sampling_params": self.sampling_params(max_new_tokens),

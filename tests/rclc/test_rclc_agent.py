@@ -341,6 +341,28 @@ def test_inputs_records_pending_without_consuming(model, tokenizer, history_x, h
     assert y.sender_state().inherited_positions == 0
 
 
+def test_inputs_hands_over_the_held_cache_so_generation_prefills_one_row(model, tokenizer, history_y):
+    agent = rclc.bind(model, tokenizer, messages=history_y, max_new_tokens=4)
+    fresh = asyncio.run(agent.inputs())  # nothing prefilled yet: no cache to reuse
+    assert compat.cache_argument_name(type(model)) not in fresh
+    agent.update()  # drops the pending inputs
+    asyncio.run(agent.append("Tell me where Birch is."))  # the agent now holds an explicit state and its cache
+    state = agent.sender_state()
+    held_before = compat.cache_length(state.past_key_values)
+    inputs = asyncio.run(agent.inputs())
+    name = compat.cache_argument_name(type(model))
+    assert compat.cache_length(inputs[name]) == state.positions - 1
+    plain = {k: v for k, v in inputs.items() if k != name}
+    reused = model.generate(**inputs, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    again = model.generate(**plain, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(reused.sequences, again.sequences)
+    for a, b in zip(reused.scores, again.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert compat.cache_length(state.past_key_values) == held_before  # the agent's own cache is untouched
+    agent.update(inputs=inputs, generation=reused)
+    assert agent.sender_state().positions == state.positions + reused.sequences.shape[1]
+
+
 def test_inputs_failures_and_cancellation(model, tokenizer, history_y, slow_worker):
     agent = rclc.bind(model, tokenizer, messages=history_y, context_limit=64)
     with pytest.raises(ValueError, match="output positions exceed"):
