@@ -60,7 +60,9 @@ prefix), with :prefix (placement="prefix", the RCLC spec's placement) before the
 prompt, and with :tuned after cold_read_tuned's K vectors. Groups: default (no_context,
 prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not given),
 rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv and sentences at
-r4, r16 and b16; cacheback r4:prefix and r4:tuned). An RCLC row costs about 1.5 cold_read rows
+r4, r16 and b16; cacheback r4:prefix and r4:tuned), rclc-budgets (every selector at r16, r8, r4,
+r2, b16 and b32, and r1; plotted as selection_budgets.png) and rclc-budgets-tuned (the same, :tuned).
+An RCLC row costs about 1.5 cold_read rows
 (the sender's prefill and selection run per question):
 about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread.
 

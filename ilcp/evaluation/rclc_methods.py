@@ -51,7 +51,10 @@ fitting (which only shrinks a budget whose rows would not fit in the receiver's 
 therefore not applied, and ``pop`` raises ValueError for rows that do not fit.
 
 Groups for ``--methods`` (`ilcp.evaluation.registry.expand_method_names`): ``rclc`` is
-`RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`.
+`RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`; ``rclc-budgets`` is `RCLC_BUDGETS` (every
+selector at r16, r8, r4, r2, b16 and b32, and r1) and ``rclc-budgets-tuned`` the same rows with
+``:tuned``. With two budgets or more of one selector, the report adds ``selection_budgets.png``
+(`ilcp.evaluation.report.plot_selection_budgets`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ RCLC_METHODS = (
     "rclc:cacheback:r4:tuned",
 )
 RCLC_QUICK = ("rclc:cacheback:r1", "rclc:cacheback:r4", "rclc:cacheback:r4:tuned")
+# The budget sweep: every selector from r16 to r2 and at b16 and b32, zero-shot, one r1 row for all.
+BUDGETS = ("r16", "r8", "r4", "r2", "b16", "b32")
+RCLC_BUDGETS = ("rclc:cacheback:r1", *(f"rclc:{s}:{b}" for s in SELECTORS for b in BUDGETS))
+RCLC_BUDGETS_TUNED = tuple(f"{name}:tuned" for name in RCLC_BUDGETS)
 
 _BUDGET = re.compile(r"([rb])([0-9]+)")
 _USAGE = "use rclc:<selector>:r<N> or rclc:<selector>:b<N>[:prefix|:tuned|:selection_tuned], e.g. rclc:cacheback:r4"
@@ -280,3 +287,5 @@ class RCLCMethod(HandoffMethod):
 register_method(FAMILY, RCLCMethod, family=True)
 register_group("rclc", RCLC_METHODS)
 register_group("rclc-quick", RCLC_QUICK)
+register_group("rclc-budgets", RCLC_BUDGETS)
+register_group("rclc-budgets-tuned", RCLC_BUDGETS_TUNED)

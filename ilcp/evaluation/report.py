@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,8 @@ __all__ = [
     "latency_summary",
     "markdown_report",
     "plot_accuracy_vs_bytes",
+    "plot_selection_budgets",
+    "selection_curves",
     "plot_accuracy_vs_facts",
     "plot_ttft_vs_length",
     "write_report",
@@ -32,6 +35,8 @@ __all__ = [
 PLOT_ACCURACY = "accuracy_vs_payload_bytes.png"
 PLOT_TTFT = "ttft_vs_context_length.png"
 PLOT_FACTS = "accuracy_vs_num_facts.png"
+PLOT_BUDGETS = "selection_budgets.png"
+_SELECTION_ROW = re.compile(r"(rclc|kv_relay):([A-Za-z0-9_]+):([rb])([0-9]+)((?::[A-Za-z_]+)*)\Z")
 
 
 def wilson_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -326,6 +331,71 @@ def plot_accuracy_vs_bytes(results: dict, path: Path) -> Path:
     return path
 
 
+def selection_curves(methods: dict) -> dict[str, list[tuple[str, dict]]]:
+    """The RCLC and KV relay rows of one task grouped into budget curves: ``family:selector[:option]``
+    -> [(row name, its metrics)] by ascending wire bytes, for curves of at least two budgets. An
+    r1 row (every row kept, the same for every selector) joins each curve of its family and option."""
+    curves: dict[str, list[tuple[str, dict]]] = {}
+    full: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+    for name, m in methods.items():
+        match = _SELECTION_ROW.match(name)
+        if match is None:
+            continue
+        family, selector, kind, n, options = match.groups()
+        if (kind, n) == ("r", "1"):
+            full.setdefault((family, options), []).append((name, m))
+        curves.setdefault(f"{family}:{selector}{options}", []).append((name, m))
+    for key, rows in curves.items():
+        family, rest = key.split(":", 1)
+        options = rest[len(rest.split(":")[0]):]
+        rows += [r for r in full.get((family, options), []) if r[0] not in dict(rows)]
+        rows.sort(key=lambda r: r[1]["wire_bytes"])
+    return {k: v for k, v in curves.items() if len(v) >= 2}
+
+
+def plot_selection_budgets(results: dict, path: Path) -> Path | None:
+    """Exact match against wire bytes with one line per selector (and option) through its budgets,
+    one panel per task; the other methods as reference points (0-byte ones as dashed lines).
+    None (nothing written) when no task has a curve of two budgets."""
+    tasks = [(task, t, selection_curves(t["methods"])) for task, t in results["tasks"].items()]
+    tasks = [x for x in tasks if x[2]]
+    if not tasks:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
+    for ax, (task, t, curves) in zip(axes[0], tasks):
+        on_curve = {name for rows in curves.values() for name, _ in rows}
+        colour = 0
+        for key, rows in sorted(curves.items()):
+            x = [m["wire_bytes"] for _, m in rows]
+            y = [m["exact_match"] for _, m in rows]
+            low = [m["exact_match"] - (m["exact_match_ci"] or [m["exact_match"]] * 2)[0] for _, m in rows]
+            high = [(m["exact_match_ci"] or [m["exact_match"]] * 2)[1] - m["exact_match"] for _, m in rows]
+            ax.errorbar(x, y, yerr=[low, high], fmt="-o", color=f"C{colour % 10}", capsize=2, markersize=3,
+                        label=key)
+            colour += 1
+        for name, m in t["methods"].items():
+            if name in on_curve:
+                continue
+            if m["wire_bytes"] > 0:
+                ax.plot([m["wire_bytes"]], [m["exact_match"]], marker="*", markersize=10, linestyle="none",
+                        color=f"C{colour % 10}", label=f"{name} ({m['wire_bytes']:,.0f} B)")
+            else:
+                ax.axhline(m["exact_match"], linestyle="--", color=f"C{colour % 10}", label=f"{name} (0 B)")
+            colour += 1
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("payload bytes on the wire per request (log)")
+        ax.set_ylabel("exact match")
+        ax.set_title(f"{task} (n={t['n']})" + ("" if t["seen_in_training"] else ", held out"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_ttft_vs_length(sweep: dict, path: Path) -> Path:
     """Receiver time to first token (p50, with the p99 as a bar top) against context tokens."""
     plt = _pyplot()
@@ -397,6 +467,9 @@ def write_report(results: dict, out_dir: str | Path) -> dict:
     plots = []
     if results["tasks"]:
         plots.append(plot_accuracy_vs_bytes(results, out / PLOT_ACCURACY).name)
+        budgets = plot_selection_budgets(results, out / PLOT_BUDGETS)
+        if budgets is not None:
+            plots.append(budgets.name)
     if results.get("context_length") and results["context_length"].get("rows"):
         plots.append(plot_ttft_vs_length(results["context_length"], out / PLOT_TTFT).name)
     if results.get("facts_count") and results["facts_count"].get("rows"):
