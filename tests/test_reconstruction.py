@@ -94,9 +94,9 @@ def test_the_answer_stage_starts_from_the_reconstruction_stage_projector(reconst
     seen = {}
     original = training.pipeline.train_variant
 
-    def recording(cfg, variant, lm, data, encoder, resume):
+    def recording(cfg, variant, lm, data, encoder, resume, trained=None):
         seen["projector"] = encoder.projector.value_head.weight.detach().clone()
-        return original(cfg, variant, lm, data, encoder, resume)
+        return original(cfg, variant, lm, data, encoder, resume, trained)
 
     import shutil
 

@@ -285,10 +285,10 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
     seen = {}
     original = training.pipeline.train_variant
 
-    def recording(cfg, variant, lm, data, encoder, resume):
+    def recording(cfg, variant, lm, data, encoder, resume, trained=None):
         seen["pooler"] = encoder.pooler.score.weight.detach().clone()
         seen["mu_head"] = encoder.vae.mu_head.weight.detach().clone()
-        return original(cfg, variant, lm, data, encoder, resume)
+        return original(cfg, variant, lm, data, encoder, resume, trained)
 
     monkeypatch.setattr(training.pipeline, "train_variant", recording)
     resumed = train(load_config(TINY, base), lm=tiny_lm, resume=True)
