@@ -132,6 +132,9 @@ class HandoffConfig:
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
     val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
     max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    validate_start: bool = _f(False, "validate before the first step too, and keep the starting weights when no "
+                                     "step beats them (for a source that may start well: format_from with "
+                                     "vocabulary_snap)")
     format_vectors: int = _f(0, "ilcp with memory_placement=in_prompt: learned vectors before the whole prompt, "
                                 "as cold_read_tuned's (0 = none)")
     memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "

@@ -191,6 +191,7 @@ def test_the_facts_sweep_has_the_promised_points():
     assert codec.data.pool_layers == own.data.pool_layers == [0]
     assert (codec.handoff.memory_placement, codec.handoff.num_memory_tokens) == ("in_prompt", 4)
     assert codec.handoff.vocabulary_snap == own.handoff.vocabulary_snap == "hard"
+    assert codec.handoff.validate_start and own.handoff.validate_start
     # the reference run trains first; the codec reads its cold_read_tuned vectors
     assert Path(codec.handoff.format_from) == sweep.checkpoints / sweep.reference.run
     assert cfg["codec4-64-int8"] is codec and dtype["codec4-64-int8"] == "int8"

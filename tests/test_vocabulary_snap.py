@@ -134,3 +134,20 @@ def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_pa
                                                                                    "temperature": 0.1})))
     with pytest.raises(ExportError, match="vocabulary_snap.mode"):
         read_config(tampered)
+
+
+def test_validate_start_measures_the_starting_weights_and_keeps_them_unless_beaten(tmp_path, tiny_lm):
+    result = train(load_config(TINY_CONFIG, [
+        f"out_dir={tmp_path}", "run_name=start", "trainer.progress=false", "handoff.variants=[prompt_tuned]",
+        "handoff.validate_start=true", "handoff.max_steps=4", "handoff.val_every_steps=2"]), lm=tiny_lm)
+    metrics = result.metrics["variants"]["prompt_tuned"]
+    assert [row["step"] for row in metrics["curve"]] == [0, 2, 4]
+    start = load_file(str(result.run_dir / "stages" / "prompt_tuned" / "start.safetensors"))
+    kept = result.sources["prompt_tuned"].soft_prompt.detach()
+    started = next(iter(start.values()))
+    if metrics["best_step"] == 0:  # no step beat the start: its weights are the ones exported
+        torch.testing.assert_close(kept, started)
+    else:
+        assert not torch.equal(kept, started)
+    exported = load_file(str(result.run_dir / "prompt_tuned.safetensors"))
+    torch.testing.assert_close(next(iter(exported.values())), kept)

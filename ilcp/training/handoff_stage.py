@@ -36,6 +36,7 @@ from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
 from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
+from ..io import atomic_save_safetensors
 from .distributed import broadcast, is_main, reduce_sum, save_stage
 from .log import checkpoint_state, keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, read_curve, say
 
@@ -317,7 +318,8 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
         f"{h.max_steps} steps of batch {h.batch_size}")
     steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
-                                            max_steps=h.max_steps, val_every_steps=h.val_every_steps)
+                                            max_steps=h.max_steps, val_every_steps=h.val_every_steps,
+                                            start=source if h.validate_start else None)
     metrics = {
         "variant": variant, "steps": steps, "train_seconds": round(seconds, 1),
         "best_step": best.get("step"), "best_val_exact_match": best.get("val/exact_match"),
@@ -344,10 +346,14 @@ def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dic
 
 
 def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.LightningDataModule, resume: bool, *,
-              monitor: str, mode: str, max_steps: int, val_every_steps: int) -> tuple[int, float, list[dict], dict]:
+              monitor: str, mode: str, max_steps: int, val_every_steps: int,
+              start: MemorySource | None = None) -> tuple[int, float, list[dict], dict]:
     """Fit a through-the-LM stage for `max_steps` steps, validating every `val_every_steps` and at
     the end; keep `last.ckpt` (resume) and the best checkpoint by `monitor`, whose weights the
-    module holds afterwards. Returns (optimizer steps, seconds, validation curve, best curve row)."""
+    module holds afterwards. Returns (optimizer steps, seconds, validation curve, best curve row).
+
+    With `start` (the module's memory source), the starting weights are validated too, as step 0,
+    and kept (``start.safetensors``) to be restored when no later step beats them."""
     stage_dir = cfg.run_dir / "stages" / name
     every = min(val_every_steps, max_steps)
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), filename="best-{step}",
@@ -356,12 +362,17 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
                            check_val_every_n_epoch=None, limit_val_batches=1.0)
     t0 = time.perf_counter()
     last = last_checkpoint(stage_dir) if resume else None
+    start_file = stage_dir / "start.safetensors"
     if last is not None:
         say(f"{name}: resuming from {last}")
         keep_earlier_log(cfg, name)
     with warnings.catch_warnings():
         # The frozen LM is in eval mode on purpose (see HandoffModule.train).
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        if start is not None and last is None:
+            if is_main():
+                atomic_save_safetensors(export.trained_state(start), start_file, {"format": "pt"})
+            trainer.validate(module, datamodule=data, verbose=False)  # logged as step 0
         trainer.fit(module, datamodule=data, ckpt_path=last)
     trainer.save_checkpoint(stage_dir / "checkpoints" / "last.ckpt", weights_only=False)  # resumable
     if trainer.global_step % every != 0:
@@ -373,6 +384,9 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
         module.load_state_dict(checkpoint_state(best_path), strict=False)
     sign = 1.0 if mode == "max" else -1.0
     best = max(curve, key=lambda r: sign * r.get(monitor, -sign * float("inf"))) if curve else {}
+    if start is not None and best.get("step") == 0 and start_file.is_file():
+        say(f"{name}: no step beat the starting weights; keeping them")
+        export.load_trained_state(start, load_file(str(start_file)), origin=str(start_file))
     return int(trainer.global_step), seconds, curve, best
 
 
