@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--random-texts", type=int, default=3000, help="fixed random texts (12 words each)")
     p.add_argument("--fresh", action="store_true", help="new random chunks every step (layer 0 only)")
+    p.add_argument("--shape-weight", type=float, default=1.0,
+                   help="weight of the cosine and norm terms beside the cross-entropy (reconstruct.token_shape_weight)")
     args = p.parse_args()
     if args.fresh and args.layer != 0:
         p.error("--fresh needs --layer 0 (other layers need an LM forward per text)")
@@ -94,7 +96,8 @@ def main() -> None:
                 else torch.arange(table.shape[0]))
         logits = F.normalize(m, dim=-1) @ F.normalize(table[cand], dim=-1).T / TOKEN_TEMPERATURE
         index = torch.searchsorted(cand, y)
-        loss = F.cross_entropy(logits, index) + 1 - cosine + (norm_ratio - 1).pow(2).mean()
+        shape = 1 - cosine + (norm_ratio - 1).pow(2).mean()
+        loss = F.cross_entropy(logits, index) + args.shape_weight * shape
         return loss, logits.argmax(-1) == index, y
 
     for step in range(args.steps + 1):

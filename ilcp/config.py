@@ -204,6 +204,9 @@ class ReconstructConfig:
     token_weight: float = _f(0.0, "weight of the token loss added to the reconstruction loss: memory vector j of a "
                                   "chunk should read as the chunk's j-th token (0 = none)")
     token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step")
+    token_shape_weight: float = _f(1.0, "token loss: weight of the cosine and norm terms that keep each vector at its "
+                                        "token's direction and scale (a snapped codec, handoff.vocabulary_snap, "
+                                        "needs only the cross-entropy's ranking)")
     random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
                               "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
     random_words: int = _f(12, "whole-word tokens per random text")
@@ -217,8 +220,9 @@ class ReconstructConfig:
         if self.steps < 0 or self.token_steps < 0 or self.random_texts < 0:
             raise ValueError(f"reconstruct.steps, token_steps and random_texts must be >= 0, got {self.steps}, "
                              f"{self.token_steps} and {self.random_texts}")
-        if self.token_weight < 0:
-            raise ValueError(f"reconstruct.token_weight must be >= 0, got {self.token_weight}")
+        if self.token_weight < 0 or self.token_shape_weight < 0:
+            raise ValueError(f"reconstruct.token_weight and token_shape_weight must be >= 0, got {self.token_weight}, "
+                             f"{self.token_shape_weight}")
         for name in ("token_candidates", "random_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")

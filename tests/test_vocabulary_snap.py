@@ -151,3 +151,36 @@ def test_validate_start_measures_the_starting_weights_and_keeps_them_unless_beat
         assert not torch.equal(kept, started)
     exported = load_file(str(result.run_dir / "prompt_tuned.safetensors"))
     torch.testing.assert_close(next(iter(exported.values())), kept)
+
+
+def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_lm):
+    from ilcp.pooling import ConcatPooler, token_states
+    from ilcp.training import ReconstructionModule
+    from ilcp.training.data import HandoffRows, collate_rows
+    from ilcp.training.reconstruction_stage import TOKEN_TEMPERATURE
+
+    codec = ["compressor.chunk_tokens=4", "compressor.pooling=concat", "compressor.answer_head_weight=0",
+             "handoff.num_memory_tokens=4", "reconstruct.token_steps=1"]
+    contexts = ["Cedar is owned by Alice.", "Maple is owned by Bruno."]
+    rows = HandoffRows([{"context": c, "question": "", "answer": ""} for c in contexts],
+                       token_states(tiny_lm, contexts, progress=False))
+    batch = collate_rows([rows[i] for i in range(len(rows))])
+    losses = {}
+    for weight in (1.0, 0.0):
+        cfg = load_config(TINY_CONFIG, codec + [f"reconstruct.token_shape_weight={weight}"])
+        torch.manual_seed(0)
+        pooler = ConcatPooler(tiny_lm.hidden_size, 4)
+        encoder = attach_projector(ILCPEncoder(BetaVAE(pooler.output_dim, 16, 64), pooler=pooler, chunk_tokens=4),
+                                   cfg.handoff, tiny_lm)
+        module = ReconstructionModule(encoder, tiny_lm, cfg).eval()  # every vocabulary row a candidate
+        memory, _ = module.memory(batch)
+        ids = module.context_token_ids(contexts)
+        losses[weight] = module._token_loss(memory, ids)[0]
+    vectors = torch.cat([m[: len(i)] for m, i in zip(memory, ids)]).float()
+    table = tiny_lm.model.get_input_embeddings().weight.float()
+    logits = F.normalize(vectors, dim=-1) @ F.normalize(table, dim=-1).T / TOKEN_TEMPERATURE
+    ce = F.cross_entropy(logits, torch.tensor([t for i in ids for t in i]))
+    torch.testing.assert_close(losses[0.0], ce)
+    assert losses[1.0] > losses[0.0]
+    with pytest.raises(ValueError, match="token_shape_weight"):
+        load_config(TINY_CONFIG, codec + ["reconstruct.token_shape_weight=-1"])

@@ -106,10 +106,13 @@ class ReconstructionModule(HandoffModule):
         The loss is a cross-entropy over cosine similarities to the LM's input-embedding rows (at
         temperature `TOKEN_TEMPERATURE`; the token's row against the batch's other tokens and
         sampled ones, or every row in validation), plus the cosine distance to that row and the
-        squared relative error of the vector's norm against the row's: the memory vectors stand
-        where the tokens' own embeddings stand, at their scale (a plain dot-product cross-entropy
-        is won by growing the norm, and a frozen LM reads a vector 30x too long as noise). With ``K = C`` vectors per chunk, a row's memory is one vector per context
-        position, padding of its last chunk left out. Accuracy: argmax over the candidates.
+        squared relative error of the vector's norm against the row's, those two weighted by
+        ``reconstruct.token_shape_weight``: the memory vectors stand where the tokens' own
+        embeddings stand, at their scale (a plain dot-product cross-entropy is won by growing the
+        norm, and a frozen LM reads a vector 30x too long as noise; a snapped codec reads only the
+        ranking, so it may drop those terms). With ``K = C`` vectors per chunk, a row's memory is
+        one vector per context position, padding of its last chunk left out. Accuracy: argmax
+        over the candidates.
         """
         table = self.lm.get_input_embeddings().weight
         vectors, targets = [], []
@@ -129,7 +132,8 @@ class ReconstructionModule(HandoffModule):
         target = table[targets].float()
         cosine = F.cosine_similarity(vectors, target, dim=-1)
         norm_ratio = vectors.norm(dim=-1) / target.norm(dim=-1).clamp(min=1e-6)
-        loss = F.cross_entropy(logits, index) + (1.0 - cosine).mean() + (norm_ratio - 1.0).pow(2).mean()
+        shape = (1.0 - cosine).mean() + (norm_ratio - 1.0).pow(2).mean()
+        loss = F.cross_entropy(logits, index) + self.reconstruct_cfg.token_shape_weight * shape
         accuracy = (logits.argmax(-1) == index).float().mean()
         return loss, accuracy
 
