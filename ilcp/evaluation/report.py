@@ -295,7 +295,6 @@ def plot_accuracy_vs_bytes(results: dict, path: Path) -> Path:
     """Exact match (with 95% intervals) against wire bytes per request, log x, one panel per
     task; methods that send nothing are horizontal dashed lines."""
     plt = _pyplot()
-    from matplotlib import ticker
 
     tasks = list(results["tasks"].items())
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
@@ -313,21 +312,32 @@ def plot_accuracy_vs_bytes(results: dict, path: Path) -> Path:
                             color=colour, capsize=3, label=f"{name} ({m['wire_bytes']:,.0f} B)")
             else:
                 ax.axhline(em, linestyle="--", color=colour, label=f"{name} (0 B)")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         if positive:  # at least a decade, so the log axis has labelled ticks
             ax.set_xlim(min(positive) / 4, max(positive) * 4)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("payload bytes on the wire per request (log)")
-        ax.set_ylabel("exact match")
-        ax.set_title(f"{task} (n={t['n']})" + ("" if t["seen_in_training"] else ", held out"))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        _bytes_axes(ax, task, t, legend_size=7)
+    return _save(fig, path)
+
+
+def _bytes_axes(ax, task: str, t: dict, legend_size: int) -> None:
+    """Exact match against log wire bytes: the axes, title, grid and legend of a task panel."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("payload bytes on the wire per request (log)")
+    ax.set_ylabel("exact match")
+    ax.set_title(f"{task} (n={t['n']})" + ("" if t["seen_in_training"] else ", held out"))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size, loc="best")
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -383,17 +393,8 @@ def plot_selection_budgets(results: dict, path: Path) -> Path | None:
             else:
                 ax.axhline(m["exact_match"], linestyle="--", color=f"C{colour % 10}", label=f"{name} (0 B)")
             colour += 1
-        ax.set_xscale("log")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("payload bytes on the wire per request (log)")
-        ax.set_ylabel("exact match")
-        ax.set_title(f"{task} (n={t['n']})" + ("" if t["seen_in_training"] else ", held out"))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _bytes_axes(ax, task, t, legend_size=6)
+    return _save(fig, path)
 
 
 def plot_ttft_vs_length(sweep: dict, path: Path) -> Path:
