@@ -63,7 +63,7 @@ file's folder and each folder above it):
       latency_n: 0                    # requests timed per method and task (0: none)
       batch_size: 8
       max_new_tokens: 8
-      seed: 0                         # bootstrap seed
+      seed: 0                         # eval seed (facts contexts of the length sweep)
     reference:                        # optional: rows other than ilcp, each at its own wire bytes
       methods: [cold_read, cold_read_tuned, prompt_tuned, rclc:cacheback:r4]
       run: reference                  # its run name (default "reference")
@@ -727,7 +727,7 @@ def markdown(summary: dict) -> str:
         f"runs in `{summary['checkpoints']}`. Each eval: tasks {', '.join(summary['panels_tasks']) or '-'}, "
         f"{s['limit'] or 'all'} questions per task; facts counts {s['facts_counts'] or '-'} with "
         f"{s['facts_count_limit']} questions each (facts-trained runs); greedy, {s['max_new_tokens']} new tokens; "
-        f"95% bootstrap intervals (seed {s['seed']}).",
+        "95% Wilson score intervals.",
         "",
     ]
     if summary.get("description"):
