@@ -316,13 +316,8 @@ class Agent:
     def _current_cache(self, rows: torch.Tensor):
         """The cache the agent holds for exactly ``rows`` (the explicit state's, or the prefilled
         history's), or None."""
-        if self._explicit is not None:
-            held = self._explicit
-        elif self._history is not None and self._history[1].input_embeds is rows:
-            held = self._history[1]
-        else:
-            return None
-        return held.past_key_values if held.input_embeds is rows else None
+        held = self._explicit if self._explicit is not None else (self._history or (None, None))[1]
+        return held.past_key_values if held is not None and held.input_embeds is rows else None
 
     # ---------------------------------------------------------------------------------------
     # the receiver protocol (`RowReceiver`: transfer calls these), delegated to the inbox
