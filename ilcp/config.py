@@ -18,7 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .encoder import POOLING_KINDS as POOLINGS
-from .encoder import VOCABULARY_SNAPS
+from .encoder import SNAP_METRICS, VOCABULARY_SNAPS
 from .prompts import MEMORY_PLACEMENTS
 from .lm import DEFAULT_LM
 
@@ -144,6 +144,8 @@ class HandoffConfig:
                                       "embeddings (cosine at snap_temperature), 'hard' as the closest one "
                                       "(straight-through gradient); 'none' reads the projected vectors")
     snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax")
+    snap_metric: str = _f("cosine", "ilcp: how vocabulary_snap scores a row: 'cosine' or 'dot' (the inner product, "
+                                    "for a codec trained with reconstruct.token_logits=dot; set snap_temperature=1)")
     format_from: str = _f("", "ilcp with memory_placement=in_prompt: cold_read_tuned's trained vectors (frozen) "
                               "before the whole prompt: 'cold_read_tuned' trains them first in the same run; a "
                               "path reads them from another run's export, for the same LM ('' = none)")
@@ -174,6 +176,8 @@ class HandoffConfig:
         if self.vocabulary_snap not in VOCABULARY_SNAPS or not self.snap_temperature > 0:
             raise ValueError(f"handoff.vocabulary_snap must be one of {list(VOCABULARY_SNAPS)} and "
                              f"handoff.snap_temperature > 0, got {self.vocabulary_snap!r}, {self.snap_temperature!r}")
+        if self.snap_metric not in SNAP_METRICS:
+            raise ValueError(f"handoff.snap_metric must be one of {list(SNAP_METRICS)}, got {self.snap_metric!r}")
         if not isinstance(self.format_from, str):
             raise ValueError(f"handoff.format_from must be '', 'cold_read_tuned' or a run directory, "
                              f"got {self.format_from!r}")
@@ -207,6 +211,9 @@ class ReconstructConfig:
     token_shape_weight: float = _f(1.0, "token loss: weight of the cosine and norm terms that keep each vector at its "
                                         "token's direction and scale (a snapped codec, handoff.vocabulary_snap, "
                                         "needs only the cross-entropy's ranking)")
+    token_logits: str = _f("cosine", "token loss: the cross-entropy's scores, 'cosine' (at the fixed temperature "
+                                     "0.05) or 'dot' (inner products with the embedding rows; read it with "
+                                     "handoff.snap_metric=dot)")
     random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
                               "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
     random_words: int = _f(12, "whole-word tokens per random text")
@@ -220,6 +227,8 @@ class ReconstructConfig:
         if self.steps < 0 or self.token_steps < 0 or self.random_texts < 0:
             raise ValueError(f"reconstruct.steps, token_steps and random_texts must be >= 0, got {self.steps}, "
                              f"{self.token_steps} and {self.random_texts}")
+        if self.token_logits not in SNAP_METRICS:
+            raise ValueError(f"reconstruct.token_logits must be one of {list(SNAP_METRICS)}, got {self.token_logits!r}")
         if self.token_weight < 0 or self.token_shape_weight < 0:
             raise ValueError(f"reconstruct.token_weight and token_shape_weight must be >= 0, got {self.token_weight}, "
                              f"{self.token_shape_weight}")

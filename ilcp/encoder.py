@@ -36,6 +36,7 @@ from .projector import GatedLatentToMemoryProjector
 
 POOLING_KINDS = ("mean", "attention", "concat")
 VOCABULARY_SNAPS = ("none", "soft", "hard")
+SNAP_METRICS = ("cosine", "dot")  # how a snap scores the embedding rows (and the token loss its logits)
 Pooler = AttentionPooler | ConcatPooler
 
 
@@ -72,7 +73,7 @@ class ILCPEncoder(nn.Module):
         self.encoder_frozen = False
         self.placement = "prefix"  # where the receiver reads the memory (`ilcp.prompts.memory_prompt`)
         self.format_prompt: FormatPrompt | None = None  # learned vectors before the whole prompt
-        self.vocabulary_snap, self.snap_temperature = "none", 0.02  # see `snap_to_vocabulary`
+        self.vocabulary_snap, self.snap_temperature, self.snap_metric = "none", 0.02, "cosine"  # `snap_to_vocabulary`
         self._vocabulary: tuple[Tensor, Tensor] | None = None  # (the LM's embedding rows, 1 / their norms)
 
     # -------------------------------------------------------------------------- description
@@ -140,14 +141,17 @@ class ILCPEncoder(nn.Module):
 
     # ---------------------------------------------------------------------------- receiver
 
-    def set_vocabulary_snap(self, mode: str, temperature: float = 0.02) -> None:
+    def set_vocabulary_snap(self, mode: str, temperature: float = 0.02, metric: str = "cosine") -> None:
         """Whether `memory` replaces each projected vector by the LM's token embeddings it is
-        closest to (see `snap_to_vocabulary`): "none", "soft" or "hard"."""
+        closest to (see `snap_to_vocabulary`): "none", "soft" or "hard", scored by "cosine" or
+        "dot"."""
         if mode not in VOCABULARY_SNAPS:
             raise ValueError(f"vocabulary snap must be one of {list(VOCABULARY_SNAPS)}, got {mode!r}")
         if not (isinstance(temperature, (int, float)) and temperature > 0):
             raise ValueError(f"the snap temperature must be > 0, got {temperature!r}")
-        self.vocabulary_snap, self.snap_temperature = mode, float(temperature)
+        if metric not in SNAP_METRICS:
+            raise ValueError(f"the snap metric must be one of {list(SNAP_METRICS)}, got {metric!r}")
+        self.vocabulary_snap, self.snap_temperature, self.snap_metric = mode, float(temperature), metric
 
     def bind_vocabulary(self, embedding_weight: Tensor) -> None:
         """The receiver LM's input-embedding rows (V, H), which a snapping encoder maps its memory
@@ -172,7 +176,8 @@ class ILCPEncoder(nn.Module):
             if self._vocabulary is None:
                 raise ValueError("this encoder snaps its memory to the LM's vocabulary: bind_vocabulary(the LM's "
                                  "input-embedding weight) first")
-            vectors = snap_to_vocabulary(vectors, *self._vocabulary, self.vocabulary_snap, self.snap_temperature)
+            vectors = snap_to_vocabulary(vectors, *self._vocabulary, self.vocabulary_snap, self.snap_temperature,
+                                         self.snap_metric)
         return vectors if dtype is None else vectors.to(dtype)
 
     # ---------------------------------------------------------------------------- training
@@ -277,21 +282,26 @@ MemorySource = ILCPEncoder | ConstantMemory
 
 
 def snap_to_vocabulary(vectors: Tensor, table: Tensor, inverse_norms: Tensor, mode: str,
-                       temperature: float) -> Tensor:
+                       temperature: float, metric: str = "cosine") -> Tensor:
     """Memory vectors (..., H) -> mixtures of the LM's embedding rows `table` (V, H), float32.
 
-    The weights are a softmax over the cosine similarity of each vector to every row, at
-    `temperature`: "soft" reads that mixture; "hard" reads the closest row itself, with the soft
-    mixture's gradient (straight-through). A frozen LM reads its own token embeddings as it was
-    trained to, where a projected vector that is merely close to one reads as noise.
+    The weights are a softmax over each vector's score against every row, at `temperature`: its
+    cosine similarity (`metric` "cosine") or inner product ("dot", the logits of a codec trained
+    with ``reconstruct.token_logits=dot``). "soft" reads that mixture; "hard" reads the
+    best-scoring row itself, with the soft mixture's gradient (straight-through). A frozen LM reads
+    its own token embeddings as it was trained to, where a projected vector that is merely close to
+    one reads as noise.
     """
     table = table.to(vectors.device)
-    cosine = (F.normalize(vectors, dim=-1).to(table.dtype) @ table.T).float() * inverse_norms.to(vectors.device)
+    if metric == "dot":
+        scores = (vectors.to(table.dtype) @ table.T).float()
+    else:
+        scores = (F.normalize(vectors, dim=-1).to(table.dtype) @ table.T).float() * inverse_norms.to(vectors.device)
     if mode == "hard" and not (torch.is_grad_enabled() and vectors.requires_grad):
-        return table[cosine.argmax(-1)].float()
-    weights = torch.softmax(cosine / temperature, dim=-1)
+        return table[scores.argmax(-1)].float()
+    weights = torch.softmax(scores / temperature, dim=-1)
     if mode == "hard":
-        hard = F.one_hot(cosine.argmax(-1), table.shape[0]).to(weights.dtype)
+        hard = F.one_hot(scores.argmax(-1), table.shape[0]).to(weights.dtype)
         weights = hard + weights - weights.detach()
     return (weights.to(table.dtype) @ table).float()
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import __version__
 from .compressor import BetaVAE
-from .encoder import POOLING_KINDS, VOCABULARY_SNAPS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
+from .encoder import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .pooling import AttentionPooler, ConcatPooler
 from .prompts import MEMORY_PLACEMENTS
@@ -160,7 +160,8 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     if encoder.format_prompt is not None:
         placement["format_vectors"] = encoder.format_prompt.num_vectors
     if encoder.vocabulary_snap != "none":
-        placement["vocabulary_snap"] = {"mode": encoder.vocabulary_snap, "temperature": encoder.snap_temperature}
+        placement["vocabulary_snap"] = {"mode": encoder.vocabulary_snap, "temperature": encoder.snap_temperature,
+                                        "metric": encoder.snap_metric}
     return {
         **placement,
         "latent_dim": vae.latent_dim,
@@ -314,7 +315,8 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
     if config.get("format_vectors"):
         encoder.format_prompt = FormatPrompt(torch.zeros(int(config["format_vectors"]), config["lm"]["hidden_size"]))
     if "vocabulary_snap" in config:
-        encoder.set_vocabulary_snap(config["vocabulary_snap"]["mode"], config["vocabulary_snap"]["temperature"])
+        snap = config["vocabulary_snap"]
+        encoder.set_vocabulary_snap(snap["mode"], snap["temperature"], snap.get("metric", "cosine"))
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -433,6 +435,9 @@ def _check_schema(config: dict, where: Path) -> None:
                 raise ExportError(f"{where}: 'vocabulary_snap.mode' must be one of {list(VOCABULARY_SNAPS)}, got {mode!r}")
             if not _field(config, "vocabulary_snap.temperature", (int, float), where) > 0:
                 raise ExportError(f"{where}: 'vocabulary_snap.temperature' must be > 0")
+            metric = _field(config, "vocabulary_snap.metric", str, where, required=False)
+            if metric is not None and metric not in SNAP_METRICS:
+                raise ExportError(f"{where}: 'vocabulary_snap.metric' must be one of {list(SNAP_METRICS)}, got {metric!r}")
         placement = config.get("memory_placement", "prefix")
         if placement not in MEMORY_PLACEMENTS:
             raise ExportError(f"{where}: 'memory_placement' must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")

@@ -170,3 +170,15 @@ def test_in_prompt_memory_stands_where_the_context_text_stands(tmp_path, tiny_lm
     n_prompt = 2 + head.shape[0] + memory.shape[0] + tail.shape[0]
     torch.testing.assert_close(seqs[0][:n_prompt], torch.cat([fmt, head, memory.to(head.dtype), tail]))
     assert (labels[0][:n_prompt] == -100).all() and (labels[0][n_prompt:] != -100).all()
+
+
+def test_a_token_only_codec_stage_keeps_its_best_token_accuracy(tmp_path, tiny_lm):
+    result = train(load_config(TINY_CONFIG, CODEC + [
+        f"out_dir={tmp_path}", "run_name=tokens", "trainer.progress=false", "reconstruct.token_steps=4",
+        "reconstruct.steps=0", "reconstruct.val_every_steps=1", "reconstruct.token_logits=dot",
+        "reconstruct.token_shape_weight=0", "handoff.variants=[ilcp]", "handoff.max_steps=1"]), lm=tiny_lm)
+    metrics = result.metrics["reconstruct"]
+    assert metrics["monitor"] == "val/token_acc"
+    accuracies = [row["val/token_acc"] for row in metrics["curve"]]
+    assert len(accuracies) == 4 and metrics["best_val_token_acc"] == max(accuracies)
+    assert metrics["best_step"] == metrics["curve"][accuracies.index(max(accuracies))]["step"]

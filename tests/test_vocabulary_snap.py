@@ -116,7 +116,7 @@ def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_pa
         "handoff.format_from=cold_read_tuned", "handoff.vocabulary_snap=hard", "handoff.snap_temperature=0.1",
         "handoff.variants=[ilcp, cold_read_tuned]"]), lm=tiny_lm)
     config = read_config(result.run_dir)
-    assert config["vocabulary_snap"] == {"mode": "hard", "temperature": 0.1}
+    assert config["vocabulary_snap"] == {"mode": "hard", "temperature": 0.1, "metric": "cosine"}
     assert config["format_vectors"] == config["num_memory_tokens"]
     trained_prompt = load_file(str(result.run_dir / "cold_read_tuned.safetensors"))
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
@@ -134,6 +134,41 @@ def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_pa
                                                                                    "temperature": 0.1})))
     with pytest.raises(ExportError, match="vocabulary_snap.mode"):
         read_config(tampered)
+    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1,
+                                                                                   "metric": "l2"})))
+    with pytest.raises(ExportError, match="vocabulary_snap.metric"):
+        read_config(tampered)
+    # an export written before the metric existed snapped by cosine
+    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1})))
+    assert ILCPHandoff.from_pretrained(tampered, lm=tiny_lm).encoder.snap_metric == "cosine"
+
+
+def test_a_dot_snap_reads_the_row_of_the_largest_inner_product_and_round_trips(tmp_path, tiny_lm):
+    table = torch.tensor([[1.0, 0.0], [0.6, 0.8], [3.0, 3.0]])
+    inv = 1.0 / table.norm(dim=-1)
+    vector = torch.tensor([[1.0, 0.1]])  # closest in angle to row 0, largest inner product with row 2
+    with torch.no_grad():
+        assert torch.equal(snap_to_vocabulary(vector, table, inv, "hard", 1.0, "cosine"), table[[0]])
+        assert torch.equal(snap_to_vocabulary(vector, table, inv, "hard", 1.0, "dot"), table[[2]])
+    torch.testing.assert_close(snap_to_vocabulary(vector, table, inv, "soft", 1.0, "dot"),
+                               torch.softmax(vector @ table.T, dim=-1) @ table)
+    with pytest.raises(ValueError, match="snap metric"):
+        ILCPEncoder(BetaVAE(8, 4, 16)).set_vocabulary_snap("hard", 1.0, "l2")
+    with pytest.raises(ValueError, match="snap_metric"):
+        load_config(TINY_CONFIG, ["handoff.snap_metric=l2"])
+    result = train(load_config(TINY_CONFIG, [
+        f"out_dir={tmp_path}", "run_name=dot", "trainer.progress=false", "handoff.variants=[ilcp]",
+        "handoff.max_steps=2", "handoff.val_every_steps=2", "handoff.vocabulary_snap=hard",
+        "handoff.snap_metric=dot", "handoff.snap_temperature=1"]), lm=tiny_lm)
+    assert read_config(result.run_dir)["vocabulary_snap"] == {"mode": "hard", "temperature": 1.0, "metric": "dot"}
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    assert handoff.encoder.snap_metric == "dot"
+    wire = handoff.to_wire(handoff.send("Mary moved to the bathroom."))
+    memory = handoff.memory_vectors(wire)[0]
+    handoff.encoder.set_vocabulary_snap("none")
+    projected = handoff.memory_vectors(wire)[0].float()  # the same latent, read unsnapped
+    embeddings = tiny_lm.model.get_input_embeddings().weight.detach().float()
+    torch.testing.assert_close(memory.float(), embeddings[(projected @ embeddings.T).argmax(-1)])
 
 
 def test_validate_start_measures_the_starting_weights_and_keeps_them_unless_beaten(tmp_path, tiny_lm):
@@ -182,5 +217,11 @@ def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_
     ce = F.cross_entropy(logits, torch.tensor([t for i in ids for t in i]))
     torch.testing.assert_close(losses[0.0], ce)
     assert losses[1.0] > losses[0.0]
+    cfg = load_config(TINY_CONFIG, codec + ["reconstruct.token_shape_weight=0", "reconstruct.token_logits=dot"])
+    module = ReconstructionModule(encoder, tiny_lm, cfg).eval()
+    dot = F.cross_entropy(vectors @ table.T, torch.tensor([t for i in ids for t in i]))
+    torch.testing.assert_close(module._token_loss(memory, ids)[0], dot)
+    with pytest.raises(ValueError, match="token_logits"):
+        load_config(TINY_CONFIG, codec + ["reconstruct.token_logits=l2"])
     with pytest.raises(ValueError, match="token_shape_weight"):
         load_config(TINY_CONFIG, codec + ["reconstruct.token_shape_weight=-1"])

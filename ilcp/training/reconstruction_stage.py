@@ -104,7 +104,8 @@ class ReconstructionModule(HandoffModule):
         (`token_ids`: each row's context tokens, as the sender's states were computed from).
 
         The loss is a cross-entropy over cosine similarities to the LM's input-embedding rows (at
-        temperature `TOKEN_TEMPERATURE`; the token's row against the batch's other tokens and
+        temperature `TOKEN_TEMPERATURE`), or over inner products with them
+        (``reconstruct.token_logits=dot``; the token's row against the batch's other tokens and
         sampled ones, or every row in validation), plus the cosine distance to that row and the
         squared relative error of the vector's norm against the row's, those two weighted by
         ``reconstruct.token_shape_weight``: the memory vectors stand where the tokens' own
@@ -126,8 +127,10 @@ class ReconstructionModule(HandoffModule):
             candidates = torch.unique(torch.cat([targets, sampled]))
         else:
             candidates = torch.arange(table.shape[0], device=table.device)
-        rows = F.normalize(table[candidates].float(), dim=-1)
-        logits = F.normalize(vectors, dim=-1) @ rows.T / TOKEN_TEMPERATURE
+        if self.reconstruct_cfg.token_logits == "dot":
+            logits = vectors @ table[candidates].float().T
+        else:
+            logits = F.normalize(vectors, dim=-1) @ F.normalize(table[candidates].float(), dim=-1).T / TOKEN_TEMPERATURE
         index = torch.searchsorted(candidates, targets)
         target = table[targets].float()
         cosine = F.cosine_similarity(vectors, target, dim=-1)
@@ -209,13 +212,17 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
     say(f"reconstruction: {len(train_ctx)} distinct contexts ({len(val_ctx)} validation); {tr:,} trainable "
         f"parameters, {fr:,} frozen; {r.token_steps} token-loss steps, then {r.steps} steps of batch {r.batch_size}")
     data = HandoffDataModule(train_ctx, val_ctx, r.batch_size, cfg.trainer.seed)
-    steps, seconds, curve, best = fit_stage(cfg, STAGE, module, data, resume, monitor="val/loss", mode="min",
+    # A stage of token-loss steps alone keeps its best token accuracy: the LM's reconstruction loss
+    # is not what it trains (with reconstruct.token_logits=dot the vectors' scale is free).
+    monitor, mode = ("val/token_acc", "max") if r.steps == 0 else ("val/loss", "min")
+    steps, seconds, curve, best = fit_stage(cfg, STAGE, module, data, resume, monitor=monitor, mode=mode,
                                             max_steps=r.token_steps + r.steps, val_every_steps=r.val_every_steps)
-    metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx),
+    metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx), "monitor": monitor,
                "best_step": best.get("step"), "best_val_loss": best.get("val/loss"),
+               "best_val_token_acc": best.get("val/token_acc"),
                "first_val_loss": curve[0].get("val/loss") if curve else None,
                "last_val_token_acc": curve[-1].get("val/token_acc") if curve else None, "curve": curve}
     save_stage(stage_dir / "metrics.json", metrics, done, export.encoder_state(encoder))
-    say(f"reconstruction: validation loss {metrics['first_val_loss']} at step {curve[0]['step'] if curve else '-'}, "
-        f"best {metrics['best_val_loss']} at step {metrics['best_step']}")
+    say(f"reconstruction: validation loss {metrics['first_val_loss']} at step {curve[0]['step'] if curve else '-'}; "
+        f"kept step {metrics['best_step']} (best {monitor} {best.get(monitor)})")
     return metrics
