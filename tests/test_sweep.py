@@ -182,19 +182,26 @@ def test_the_facts_sweep_has_the_promised_points():
     chunked = cfg["chunk12-64"].compressor
     assert (chunked.chunk_tokens, chunked.latent_dim) == (12, 64)
     assert cfg["chunk12-64-int8"] is cfg["chunk12-64"] and dtype["chunk12-64-int8"] == "int8"
-    codec = cfg["codec4-64"]  # the token codec of configs/facts-codec.yaml, on the sweep's 4-fact task
+    codec = cfg["codec4-128"]  # the token codec of configs/facts-codec.yaml, on the sweep's 4-fact task
     own = load_config(REPO / "configs" / "facts-codec.yaml")
     for section in ("compressor", "reconstruct"):
-        for key in ("latent_dim", "chunk_tokens", "pooling", "token_steps", "steps", "token_weight", "random_texts"):
+        for key in ("latent_dim", "chunk_tokens", "pooling", "token_steps", "steps", "token_weight", "random_texts",
+                    "token_logits", "token_shape_weight"):
             if hasattr(getattr(own, section), key):
                 assert getattr(getattr(codec, section), key) == getattr(getattr(own, section), key), (section, key)
     assert codec.data.pool_layers == own.data.pool_layers == [0]
     assert (codec.handoff.memory_placement, codec.handoff.num_memory_tokens) == ("in_prompt", 4)
-    assert codec.handoff.vocabulary_snap == own.handoff.vocabulary_snap == "hard"
-    assert codec.handoff.validate_start and own.handoff.validate_start
-    # the reference run trains first; the codec reads its cold_read_tuned vectors
-    assert Path(codec.handoff.format_from) == sweep.checkpoints / sweep.reference.run
-    assert cfg["codec4-64-int8"] is codec and dtype["codec4-64-int8"] == "int8"
+    for key in ("vocabulary_snap", "snap_metric", "snap_temperature", "validate_start", "max_steps", "lr"):
+        assert getattr(codec.handoff, key) == getattr(own.handoff, key), key
+    assert codec.handoff.vocabulary_snap == "hard" and codec.handoff.validate_start
+    narrow = cfg["codec4-64"]  # the earlier codec: half the floats, cosine logits and snap
+    assert (narrow.compressor.latent_dim, narrow.reconstruct.token_logits, narrow.handoff.snap_metric) == (
+        64, "cosine", "cosine")
+    # the reference run trains first; the codecs read its cold_read_tuned vectors
+    for point in (codec, narrow):
+        assert Path(point.handoff.format_from) == sweep.checkpoints / sweep.reference.run
+    assert cfg["codec4-64-int8"] is narrow and dtype["codec4-64-int8"] == "int8"
+    assert cfg["codec4-128-int8"] is codec and dtype["codec4-128-int8"] == "int8"
     assert sweep.eval.tasks == ("facts-heldout",) and sweep.eval.facts_counts == (1, 8)
     assert sweep.out == Path("results/sweep-facts") and sweep.checkpoints == Path("checkpoints/sweep-facts")
     limited = sweep_script.load_sweep(SWEEPS / "facts.yaml", limit=20)
