@@ -59,7 +59,7 @@ placement="in_prompt" the rows sit where the context text would (r1 gives the co
 prefix), with :prefix (placement="prefix", the RCLC spec's placement) before the question
 prompt, and with :tuned after cold_read_tuned's K vectors. Groups: default (no_context,
 prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not given),
-rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv and sentences at
+rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv, sentences and reread at
 r4, r16 and b16; cacheback r4:prefix and r4:tuned), rclc-budgets (every selector at r16, r8, r4,
 r2, b16 and b32, and r1; plotted as selection_budgets.png) and rclc-budgets-tuned (the same, :tuned).
 An RCLC row costs about 1.5 cold_read rows

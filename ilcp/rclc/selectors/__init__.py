@@ -1,6 +1,6 @@
 """Built-in selectors and the selector contract (see `ilcp.rclc.selectors.base`).
 
-``cacheback`` (the default), ``qsnap``, ``chunkkv`` and ``sentences`` are ready-made instances; build your own
+``cacheback`` (the default), ``qsnap``, ``chunkkv``, ``sentences`` and ``reread`` are ready-made instances; build your own
 settings from the classes, e.g. ``CacheBack(window=8)``.
 """
 
@@ -15,16 +15,18 @@ from ilcp.rclc.selectors.base import (
 from ilcp.rclc.selectors.cacheback import CacheBack
 from ilcp.rclc.selectors.chunkkv import ChunkKV
 from ilcp.rclc.selectors.qsnap import QSnap
+from ilcp.rclc.selectors.reread import Reread
 from ilcp.rclc.selectors.sentences import Sentences
 
 cacheback = CacheBack()
 qsnap = QSnap()
 chunkkv = ChunkKV()
 sentences = Sentences()
+reread = Reread()
 DEFAULT_SELECTOR = cacheback
 
 __all__ = [
-    "AttentionProfile", "CacheBack", "ChunkKV", "DEFAULT_SELECTOR", "QSnap", "Selector", "Sentences",
-    "attention_profile", "cacheback", "chunkkv", "is_builtin", "qsnap", "select_groups", "sentences",
+    "AttentionProfile", "CacheBack", "ChunkKV", "DEFAULT_SELECTOR", "QSnap", "Reread", "Selector", "Sentences",
+    "attention_profile", "cacheback", "chunkkv", "is_builtin", "qsnap", "reread", "select_groups", "sentences",
     "validate_positions",
 ]

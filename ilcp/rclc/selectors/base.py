@@ -233,6 +233,10 @@ class Selector:
         """[T] per-position scores from the attention profile."""
         raise NotImplementedError
 
+    def profile(self, sender, request_ids: torch.Tensor | None) -> AttentionProfile:
+        """The attention pass the scores come from (the request's and the sender tail's)."""
+        return attention_profile(sender, request_ids, tail_queries=self.tail_queries, sink_size=self.sink_size)
+
     def __call__(self, sender, request_ids: torch.Tensor | None, budget: int) -> torch.Tensor:
         """Positions to keep: int64 [min(budget, T)], sorted.
 
@@ -249,7 +253,7 @@ class Selector:
             return torch.arange(total)
         if budget == protected.numel():
             return protected
-        profile = attention_profile(sender, request_ids, tail_queries=self.tail_queries, sink_size=self.sink_size)
+        profile = self.profile(sender, request_ids)
         scores = self.score(profile)
         scores[: profile.sink] = 0.0
         return select_groups(scores, budget, protected, group_size=self.group_size, reduce=self.group_reduce,

@@ -1,0 +1,72 @@
+"""Reread: a query-agnostic score, the attention each position draws while the sender reads its
+own context a second time (as KVzip scores a cache by reconstructing the context from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ilcp import compat
+from ilcp.checks import positive_int
+from ilcp.rclc import hf
+from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.selectors.base import AttentionProfile, Selector
+
+REREAD_PROMPT = "\n\nRepeat the text above word for word:\n"
+
+
+@dataclass
+class Reread(Selector):
+    """After the sender's whole cache, a short instruction to repeat the text and then the sender's
+    own rows again are fed in one eager-attention forward (on a private cache copy). A position's
+    score is the largest attention any repeated row pays it, averaged over heads and layers (the
+    sink window excluded and each query renormalised, as for the other selectors): how much the
+    sender needs that row to say its context back, whatever the request. Selection in spans of
+    ``window`` consecutive positions scored by their maximum.
+
+    The request is not read, so the same rows go to every request; the pass costs a second
+    prefill of the context. Without a tokenizer the rows are repeated without the instruction.
+
+    Attributes:
+        window: span width (the spec's W).
+    """
+
+    window: int = 4
+    group_reduce = "max"
+
+    def __post_init__(self) -> None:
+        positive_int("window", self.window)
+        self.group_size = self.window
+
+    def score(self, profile: AttentionProfile) -> torch.Tensor:
+        """[T] reread attention (carried in the profile's ``tail`` field)."""
+        return profile.tail.clone()
+
+    def profile(self, sender, request_ids: torch.Tensor | None) -> AttentionProfile:
+        total = sender.positions
+        model = sender.model
+        sink = self.sink_size if total > self.sink_size else min(1, total)
+        with MODEL_LOCK:
+            rows = sender.input_embeds[:total]
+            tokenizer = getattr(sender, "tokenizer", None)
+            prompt = 0
+            if tokenizer is not None:
+                ids = tokenizer(REREAD_PROMPT, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+                prompt = int(ids.numel())
+                rows = torch.cat([hf.embed_ids(model, ids).to(rows.dtype), rows], dim=0)
+            cache = compat.clone_cache(sender.past_key_values)
+            compat.crop_cache(cache, total)
+            with hf.eager_attention(model):
+                outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
+            attentions = getattr(outputs, "attentions", None)
+            if not attentions:
+                raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
+        score = torch.zeros(total)
+        for layer in attentions:
+            weights = layer[0, :, prompt:, :total].float().cpu()  # [heads, T repeated rows, T]
+            weights[..., :sink] = 0.0
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+            score += weights.amax(dim=1).mean(dim=0)
+        score /= len(attentions)
+        return AttentionProfile(torch.zeros(total), score, sink)
