@@ -48,7 +48,9 @@ def prompt_ids(ctx, row):
 
 
 def test_names_parse_and_bad_names_are_clear_errors():
+    assert parse_kv_relay_name("kv_relay:cacheback:r4:prefix").placement == "prefix"
     spec = parse_kv_relay_name("kv_relay:cacheback:r4")
+    assert spec.placement == "in_prompt"
     assert (spec.selector, spec.ratio, spec.budget) == ("cacheback", 4, None)
     method = make_method(" kv_relay:chunkkv:b16 ")
     assert method.name == "kv_relay:chunkkv:b16" and (method.spec.ratio, method.spec.budget) == (None, 16)
@@ -60,7 +62,7 @@ def test_names_parse_and_bad_names_are_clear_errors():
         ("kv_relay:cacheback", "missing budget"),
         ("kv_relay:", "missing selector"),
         ("kv_relay:qsnap:16", "neither r<N>"),
-        ("kv_relay:cacheback:r4:prefix", "take no options"),
+        ("kv_relay:cacheback:r4:tuned", "take only the option 'prefix'"),
     ]:
         with pytest.raises(ValueError, match=message):
             make_method(bad)
@@ -72,8 +74,8 @@ def test_bytes_are_the_kept_kv(ctx, rows):
     per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * (
         torch.finfo(ctx.lm.dtype).bits // 8)
     tok = ctx.lm.tokenizer
-    for name, size in [("kv_relay:cacheback:r4", lambda t: math.ceil(t / 4)), ("kv_relay:qsnap:b8", lambda t: min(8, t)),
-                       ("kv_relay:chunkkv:r1", lambda t: t)]:
+    for name, size in [("kv_relay:cacheback:r4:prefix", lambda t: math.ceil(t / 4)), ("kv_relay:qsnap:b8:prefix", lambda t: min(8, t)),
+                       ("kv_relay:chunkkv:r1:prefix", lambda t: t)]:
         method = bound(name, ctx)
         for row in rows[:3]:
             sent = method.send(row)
@@ -88,7 +90,7 @@ def test_r1_is_decoding_after_the_full_context_cache(ctx, rows):
     """Every position kept: the same first-token logits and answers as the sender's own cache
     followed by the question, and as one prefill of context + question from scratch."""
     model, tok = ctx.lm.model, ctx.lm.tokenizer
-    method = bound("kv_relay:cacheback:r1", ctx)
+    method = bound("kv_relay:cacheback:r1:prefix", ctx)
     embedding = model.get_input_embeddings()
     decoded = method.decode_rows(rows, max_new_tokens=MAX_NEW)
     for row, answer in zip(rows, decoded.answers):
@@ -113,7 +115,7 @@ def test_pruned_cache_is_the_full_cache_with_dropped_positions_masked(ctx, rows)
     """The kept keys keep their rotary positions and the question continues at T: the same as the
     sender's whole cache with the dropped positions masked out."""
     model, tok = ctx.lm.model, ctx.lm.tokenizer
-    method = bound("kv_relay:cacheback:r4", ctx)
+    method = bound("kv_relay:cacheback:r4:prefix", ctx)
     for row in rows[:3]:
         sent = method.send(row)
         kv = sent.handed_over
@@ -136,8 +138,8 @@ def test_pruned_cache_is_the_full_cache_with_dropped_positions_masked(ctx, rows)
 
 def test_smaller_budgets_keep_fewer_positions_the_rclc_rows_positions(ctx, rows):
     kept = {name: [bound(name, ctx).send(r).handed_over for r in rows]
-            for name in ("kv_relay:cacheback:r1", "kv_relay:cacheback:r4", "kv_relay:cacheback:r16",
-                         "kv_relay:chunkkv:b4")}
+            for name in ("kv_relay:cacheback:r1:prefix", "kv_relay:cacheback:r4:prefix", "kv_relay:cacheback:r16:prefix",
+                         "kv_relay:chunkkv:b4:prefix")}
     for i, row in enumerate(rows):
         r1, r4, r16, b4 = (kept[n][i] for n in kept)
         assert r16.kept <= r4.kept < r1.kept == r1.total and b4.kept == 4
@@ -148,13 +150,13 @@ def test_smaller_budgets_keep_fewer_positions_the_rclc_rows_positions(ctx, rows)
         rclc.transfer_sync(sender(rclc_row, ctx, row), deliveries.append, row["question"].strip(), ratio=4,
                            selector=rclc_row.selector, record_selection=True)
         assert r4.positions.tolist() == deliveries[0].messages[0].selection.indices
-    decoded = {n: bound(n, ctx).decode_rows(rows, max_new_tokens=1) for n in ("kv_relay:cacheback:r1", "kv_relay:cacheback:r4")}
-    assert all(a > b for a, b in zip(decoded["kv_relay:cacheback:r1"].prefill_positions,
-                                     decoded["kv_relay:cacheback:r4"].prefill_positions))
+    decoded = {n: bound(n, ctx).decode_rows(rows, max_new_tokens=1) for n in ("kv_relay:cacheback:r1:prefix", "kv_relay:cacheback:r4:prefix")}
+    assert all(a > b for a, b in zip(decoded["kv_relay:cacheback:r1:prefix"].prefill_positions,
+                                     decoded["kv_relay:cacheback:r4:prefix"].prefill_positions))
 
 
 def test_a_wrong_handoff_is_refused(ctx, rows):
-    method = bound("kv_relay:cacheback:r4", ctx)
+    method = bound("kv_relay:cacheback:r4:prefix", ctx)
     sent = bound("rclc:cacheback:r4", ctx).send(rows[0])
     with pytest.raises(ValueError, match="expected a KVHandoff"):
         method.receive(sent, rows[0])
@@ -162,7 +164,7 @@ def test_a_wrong_handoff_is_refused(ctx, rows):
 
 def test_eval_end_to_end_writes_the_kv_relay_row(tiny_run, tiny_lm, tmp_path):
     out = tmp_path / "out"
-    names = ["rclc:cacheback:r1:prefix", "kv_relay:cacheback:r1", "kv_relay:cacheback:r4"]
+    names = ["rclc:cacheback:r1:prefix", "kv_relay:cacheback:r1:prefix", "kv_relay:cacheback:r4:prefix"]
     results = evaluate(tiny_run.run_dir, methods=names, limit=4, latency_n=2, out=out, lm=tiny_lm,
                        max_new_tokens=3, batch_size=4, lengths=())
     assert results["skipped"] == {}
@@ -171,15 +173,15 @@ def test_eval_end_to_end_writes_the_kv_relay_row(tiny_run, tiny_lm, tmp_path):
         m = methods[name]
         assert m["n"] == 4 and m["wire_bytes"] == m["tensor_bytes"] > 0 and m["prefill_positions"] > 0
         assert m["latency"]["n"] == 2 and m["latency"]["receiver_ttft_s"]["p50"] > 0
-    assert methods["kv_relay:cacheback:r4"]["wire_bytes"] < methods["kv_relay:cacheback:r1"]["wire_bytes"]
+    assert methods["kv_relay:cacheback:r4:prefix"]["wire_bytes"] < methods["kv_relay:cacheback:r1:prefix"]["wire_bytes"]
     # r1's receiver attends to what the :prefix rclc row prefills (the context's rows, the question).
-    assert methods["kv_relay:cacheback:r1"]["prefill_positions"] == methods["rclc:cacheback:r1:prefix"]["prefill_positions"]
+    assert methods["kv_relay:cacheback:r1:prefix"]["prefill_positions"] == methods["rclc:cacheback:r1:prefix"]["prefill_positions"]
     predictions = {}
     for line in (out / "predictions.jsonl").read_text().splitlines():
         p = json.loads(line)
         predictions.setdefault(p["method"], []).append(p["prediction"])
-    assert predictions["kv_relay:cacheback:r1"] == predictions["rclc:cacheback:r1:prefix"]
-    assert "| kv_relay:cacheback:r4 |" in (out / "results.md").read_text()
+    assert predictions["kv_relay:cacheback:r1:prefix"] == predictions["rclc:cacheback:r1:prefix"]
+    assert "| kv_relay:cacheback:r4:prefix |" in (out / "results.md").read_text()
 
 
 def test_eval_script_runs_the_kv_relay_row(tiny_run, tmp_path):
@@ -192,3 +194,31 @@ def test_eval_script_runs_the_kv_relay_row(tiny_run, tmp_path):
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["tasks"]["babi:1"]["methods"]) == ["kv_relay:cacheback:r4"]
+
+
+def test_in_prompt_relay_is_the_cold_read_at_r1_and_counts_only_the_context_entries(tiny_run, tiny_lm, tmp_path, ctx,
+                                                                                     rows):
+    config = ctx.lm.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * (
+        torch.finfo(ctx.lm.dtype).bits // 8)
+    method = bound("kv_relay:cacheback:r4", ctx)
+    prefix = bound("kv_relay:cacheback:r4:prefix", ctx)
+    for row in rows[:3]:
+        kv, plain = method.send(row).handed_over, prefix.send(row).handed_over
+        head = kv.own
+        assert head > 0 and kv.total == head + plain.total  # the prompt's head, then the context
+        assert kv.positions[:head].tolist() == list(range(head))
+        assert (kv.positions[head:] - head).tolist() == plain.positions.tolist()  # the same selection
+        assert kv.nbytes == plain.nbytes == plain.kept * per_position  # the head is the receiver's own
+    out = tmp_path / "out"
+    names = ["cold_read", "rclc:cacheback:r1", "kv_relay:cacheback:r1", "kv_relay:cacheback:r4"]
+    results = evaluate(tiny_run.run_dir, methods=names, limit=4, latency_n=0, out=out, lm=tiny_lm,
+                       max_new_tokens=3, batch_size=4, lengths=())
+    predictions = {}
+    for line in (out / "predictions.jsonl").read_text().splitlines():
+        p = json.loads(line)
+        predictions.setdefault(p["method"], []).append(p["prediction"])
+    assert predictions["kv_relay:cacheback:r1"] == predictions["cold_read"] == predictions["rclc:cacheback:r1"]
+    methods = results["tasks"]["babi:1"]["methods"]
+    assert methods["kv_relay:cacheback:r1"]["prefill_positions"] == methods["cold_read"]["prefill_positions"]

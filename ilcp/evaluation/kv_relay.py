@@ -1,4 +1,4 @@
-"""The KV relay rows: ``kv_relay:<selector>:r<N>`` and ``kv_relay:<selector>:b<N>``.
+"""The KV relay rows: ``kv_relay:<selector>:r<N>`` and ``kv_relay:<selector>:b<N>`` (``:prefix``).
 
 A comparison row, not part of RCLC (the RCLC spec never splices foreign KV into a receiver): the
 sender hands over its own key/value cache entries at the positions a selector keeps, and the
@@ -17,12 +17,21 @@ Sender (timed as sender time): build the state, select, and copy the kept positi
 values out of every layer of its cache (`KVHandoff`). Its bytes are the KV's: layers x 2 x
 kv_heads x head_dim x kept positions x element size (wire bytes = tensor bytes; no framing).
 
+Placement, as for the ``rclc`` rows. By default the entries stand where the context text stands
+in the cold-read prompt: the sender computes its cache over that prompt's head (system turn and
+"Context:", the part before the context, which holds no question) followed by the context,
+selects among the context's positions exactly as above, and hands over the kept context entries;
+the receiver holds the head's entries (its own prompt: not counted in the bytes) and the relayed
+ones, and decodes the rest of the cold-read prompt (the question and the assistant header) after
+them. At ``r1`` this is the cold read itself, computed by the sender. With ``:prefix`` the
+receiver decodes the question prompt (`ilcp.prompts.question_prompt`, a fresh chat turn) after
+the entries of the context alone; this 135M receiver does not read a context placed so.
+
 Receiver (timed as receiver time): a fresh cache holding the kept entries (`receive`), then the
-question prompt (`ilcp.prompts.question_prompt`, the ``:prefix`` placement's prompt) decoded
-after it. The kept keys carry the rotary positions the sender gave them, so the receiver's
-tokens continue at position T (the sender's full length) and attend to every kept position and
-to each other; greedy, with `ilcp.decoding`'s stop rule and the evaluation's max_new_tokens. At
-``r1`` (every position kept) this is decoding after the sender's whole context cache.
+prompt decoded after it. The kept keys carry the rotary positions the sender gave them, so the
+receiver's tokens continue at position T (the sender's full length) and attend to every kept
+position and to each other; greedy, with `ilcp.decoding`'s stop rule and the evaluation's
+max_new_tokens.
 
 The prefix is a KV cache, not embedding rows, so these rows decode themselves
 (``decodes_itself``: `decode_rows` on the accuracy path, `decode_received` on the timed path)
@@ -50,7 +59,7 @@ __all__ = ["KVHandoff", "KVRelayMethod", "KVRelaySpec", "RelayInputs", "kv_cache
            "prune_kv", "relay_decode"]
 
 FAMILY = "kv_relay"
-_USAGE = "use kv_relay:<selector>:r<N> or kv_relay:<selector>:b<N>, e.g. kv_relay:cacheback:r4"
+_USAGE = "use kv_relay:<selector>:r<N>[:prefix] or kv_relay:<selector>:b<N>[:prefix], e.g. kv_relay:cacheback:r4"
 
 
 @dataclass(frozen=True)
@@ -60,19 +69,21 @@ class KVRelaySpec:
     selector: str
     ratio: int | None
     budget: int | None
+    placement: str = "in_prompt"
 
 
 def parse_kv_relay_name(name: str) -> KVRelaySpec:
-    """Parse ``kv_relay:<selector>:<r|b><N>``.
+    """Parse ``kv_relay:<selector>:<r|b><N>[:prefix]``.
 
     Raises:
         ValueError: another family, a missing or unknown selector, a missing or malformed budget,
-            N < 1, or anything after the budget.
+            N < 1, or anything after the budget but ``:prefix``.
     """
     selector, kind, value, options = parse_selection_name(name, FAMILY, _USAGE, "positions")
-    if options:
-        raise ValueError(f"{name!r}: kv_relay rows take no options (got {':'.join(options)!r}); {_USAGE}")
-    return KVRelaySpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None)
+    if options not in ([], ["prefix"]):
+        raise ValueError(f"{name!r}: kv_relay rows take only the option 'prefix' (got {':'.join(options)!r}); {_USAGE}")
+    return KVRelaySpec(selector=selector, ratio=value if kind == "r" else None, budget=value if kind == "b" else None,
+                       placement="prefix" if options else "in_prompt")
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class KVHandoff:
     total: int
     keys: tuple[Tensor, ...]
     values: tuple[Tensor, ...]
+    own: int = 0
 
     @property
     def kept(self) -> int:
@@ -96,12 +108,15 @@ class KVHandoff:
 
     @property
     def nbytes(self) -> int:
-        """layers x 2 x kv_heads x head_dim x kept positions x element size."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """layers x 2 x kv_heads x head_dim x kept positions x element size, less the first ``own``
+        positions (the receiver's own prompt head, which it would compute itself)."""
+        full = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return full * (self.kept - self.own) // max(self.kept, 1)
 
 
-def prune_kv(cache, positions: Tensor, total: int) -> KVHandoff:
-    """Copy the entries at ``positions`` out of every layer of a one-sequence cache of ``total`` positions.
+def prune_kv(cache, positions: Tensor, total: int, own: int = 0) -> KVHandoff:
+    """Copy the entries at ``positions`` out of every layer of a one-sequence cache of ``total``
+    positions (the first ``own`` of them the receiver's own prompt head).
 
     Raises:
         ValueError: a cache layout `ilcp.compat.cache_tensors` cannot read, a batch other than
@@ -118,7 +133,8 @@ def prune_kv(cache, positions: Tensor, total: int) -> KVHandoff:
         index = positions.to(k.device)
         keys.append(k[0].index_select(1, index).clone())
         values.append(v[0].index_select(1, index).clone())
-    return KVHandoff(positions=positions.detach().cpu().clone(), total=total, keys=tuple(keys), values=tuple(values))
+    return KVHandoff(positions=positions.detach().cpu().clone(), total=total, keys=tuple(keys), values=tuple(values),
+                     own=own)
 
 
 def kv_cache_from(model, kv: KVHandoff):
@@ -208,11 +224,20 @@ class KVRelayMethod(HandoffMethod):
         self.selector = SELECTORS[self.spec.selector]
         self._lead: str | None = None
         self._stops: set[int] | None = None
+        self._receiver: rclc.HFReceiver | None = None
 
     def bind(self, ctx: EvalContext) -> None:
         super().bind(ctx)
-        self._lead = receiver_framing(ctx.lm.tokenizer).lead
+        framing = receiver_framing(ctx.lm.tokenizer)
+        self._lead = framing.lead
         self._stops = stop_token_ids(ctx.lm.model, ctx.lm.tokenizer)
+        # the cold-read prompt split around the context (the in-prompt rclc rows' receiver)
+        self._receiver = rclc.HFReceiver(ctx.lm.model, ctx.lm.tokenizer, messages=framing.messages,
+                                         placement="in_prompt", slot_template=framing.slot_template)
+
+    def _head_ids(self) -> Tensor:
+        """int64 [a]: the cold-read prompt before the context (the same for every question)."""
+        return self._receiver.render("?").before.reshape(-1)
 
     def sender_text(self, context: str) -> str:
         """The text the sender prefills: the context as the cold-read prompt holds it (as the rclc rows)."""
@@ -229,7 +254,16 @@ class KVRelayMethod(HandoffMethod):
         rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
                            budget=self.spec.budget, selector=self.selector, record_selection=True)
         kept = torch.tensor(deliveries[0].messages[0].selection.indices, dtype=torch.long)
-        kv = prune_kv(state.past_key_values, kept, state.positions)
+        if self.spec.placement == "prefix":
+            kv = prune_kv(state.past_key_values, kept, state.positions)
+        else:  # the same positions, from a cache computed after the cold-read prompt's head
+            head = self._head_ids()
+            model = self.lm.model
+            ids = torch.cat([head, state.token_ids.to(head.dtype)]).to(model.get_input_embeddings().weight.device)
+            with torch.inference_mode():
+                out = model(input_ids=ids.unsqueeze(0), use_cache=True)
+            a = int(head.numel())
+            kv = prune_kv(compat.output_cache(out), torch.cat([torch.arange(a), kept + a]), a + state.positions, own=a)
         return Sent(handed_over=kv, wire_bytes=kv.nbytes, tensor_bytes=kv.nbytes)
 
     def receive(self, sent: Sent, row: dict) -> RelayInputs:
@@ -237,7 +271,10 @@ class KVRelayMethod(HandoffMethod):
         kv = sent.handed_over
         if not isinstance(kv, KVHandoff):
             raise ValueError(f"{self.name}: expected a KVHandoff, got {type(kv).__name__}")
-        ids = lm.tokenizer(question_prompt(lm.tokenizer, row["question"]), add_special_tokens=False)["input_ids"]
+        if self.spec.placement == "prefix":
+            ids = lm.tokenizer(question_prompt(lm.tokenizer, row["question"]), add_special_tokens=False)["input_ids"]
+        else:  # the rest of the cold-read prompt: the question and the assistant header
+            ids = self._receiver.render(row["question"].strip()).after.reshape(-1).tolist()
         limit = context_limit(lm.model)
         if kv.total + len(ids) > limit:
             raise ValueError(f"{self.name}: the sender's {kv.total} positions and the {len(ids)}-token question "
