@@ -373,17 +373,21 @@ def plot_selection_budgets(results: dict, path: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
+    selectors = sorted({key.split(":")[1] for _, _, curves in tasks for key in curves})
+    styles = {"": "-", ":tuned": "--", ":selection_tuned": ":", ":prefix": "-."}
     for ax, (task, t, curves) in zip(axes[0], tasks):
         on_curve = {name for rows in curves.values() for name, _ in rows}
-        colour = 0
-        for key, rows in sorted(curves.items()):
+        for key, rows in sorted(curves.items()):  # colour: the selector; line: the option; square: kv_relay
+            family, selector, *options = key.split(":")
+            option = "".join(f":{o}" for o in options)
             x = [m["wire_bytes"] for _, m in rows]
             y = [m["exact_match"] for _, m in rows]
             low = [m["exact_match"] - (m["exact_match_ci"] or [m["exact_match"]] * 2)[0] for _, m in rows]
             high = [(m["exact_match_ci"] or [m["exact_match"]] * 2)[1] - m["exact_match"] for _, m in rows]
-            ax.errorbar(x, y, yerr=[low, high], fmt="-o", color=f"C{colour % 10}", capsize=2, markersize=3,
-                        label=key)
-            colour += 1
+            ax.errorbar(x, y, yerr=[low, high], linestyle=styles.get(option, "-"),
+                        marker="s" if family == "kv_relay" else "o", color=f"C{selectors.index(selector) % 10}",
+                        capsize=2, markersize=3, elinewidth=0.6, label=key)
+        colour = len(selectors)
         for name, m in t["methods"].items():
             if name in on_curve:
                 continue
