@@ -225,6 +225,7 @@ class KVRelayMethod(HandoffMethod):
         self._lead: str | None = None
         self._stops: set[int] | None = None
         self._receiver: rclc.HFReceiver | None = None
+        self._head: Tensor | None = None
 
     def bind(self, ctx: EvalContext) -> None:
         super().bind(ctx)
@@ -234,10 +235,8 @@ class KVRelayMethod(HandoffMethod):
         # the cold-read prompt split around the context (the in-prompt rclc rows' receiver)
         self._receiver = rclc.HFReceiver(ctx.lm.model, ctx.lm.tokenizer, messages=framing.messages,
                                          placement="in_prompt", slot_template=framing.slot_template)
-
-    def _head_ids(self) -> Tensor:
-        """int64 [a]: the cold-read prompt before the context (the same for every question)."""
-        return self._receiver.render("?").before.reshape(-1)
+        # int64 [a]: the cold-read prompt before the context (the same for every question)
+        self._head = self._receiver.render("?").before.reshape(-1)
 
     def sender_text(self, context: str) -> str:
         """The text the sender prefills: the context as the cold-read prompt holds it (as the rclc rows)."""
@@ -257,7 +256,7 @@ class KVRelayMethod(HandoffMethod):
         if self.spec.placement == "prefix":
             kv = prune_kv(state.past_key_values, kept, state.positions)
         else:  # the same positions, from a cache computed after the cold-read prompt's head
-            head = self._head_ids()
+            head = self._head
             model = self.lm.model
             ids = torch.cat([head, state.token_ids.to(head.dtype)]).to(model.get_input_embeddings().weight.device)
             with torch.inference_mode():

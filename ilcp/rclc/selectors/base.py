@@ -72,26 +72,43 @@ def attention_profile(sender, request_ids: torch.Tensor | None, *, tail_queries:
         if rows.shape[0] == 0:
             zeros = torch.zeros(total)
             return AttentionProfile(zeros, zeros.clone(), min(sink_size, total))
-        cache = compat.clone_cache(sender.past_key_values)
-        compat.crop_cache(cache, total - t)
-        with hf.eager_attention(model):
-            outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
-        attentions = getattr(outputs, "attentions", None)
-        if not attentions:
-            raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
-    sink = sink_size if total > sink_size else min(1, total)
+        sink = sink_window(total, sink_size)
+        layers = attention_to_sender(sender, rows, total - t, sink)
     request = torch.zeros(total)
     tail = torch.zeros(total)
-    for layer in attentions:
-        weights = layer[0, :, :, :total].float().cpu()  # [heads, t + R, T]
-        weights[..., :sink] = 0.0
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+    for weights in layers:  # [heads, t + R, T]
         if t:
             tail += weights[:, :t].mean(dim=(0, 1))
         if r:
             request += weights[:, t:].mean(dim=(0, 1))
-    layers = len(attentions)
-    return AttentionProfile(request / layers, tail / layers, sink)
+    return AttentionProfile(request / len(layers), tail / len(layers), sink)
+
+
+def sink_window(total: int, sink_size: int) -> int:
+    """Leading key positions left out of attention scores: ``sink_size``, fewer for short senders."""
+    return sink_size if total > sink_size else min(1, total)
+
+
+def attention_to_sender(sender, rows: torch.Tensor, keep: int, sink: int) -> list[torch.Tensor]:
+    """One eager-attention forward of ``rows`` [n, hidden] after a private copy of the sender's
+    cache cropped to its first ``keep`` positions. Per layer, the attention the rows pay the
+    sender's T positions, float32 CPU [heads, n, T], with the first ``sink`` key positions zeroed
+    and each query renormalised over the rest. The caller holds ``MODEL_LOCK``."""
+    total = sender.positions
+    model = sender.model
+    cache = compat.clone_cache(sender.past_key_values)
+    compat.crop_cache(cache, keep)
+    with hf.eager_attention(model):
+        outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
+    attentions = getattr(outputs, "attentions", None)
+    if not attentions:
+        raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
+    layers = []
+    for layer in attentions:
+        weights = layer[0, :, :, :total].float().cpu()
+        weights[..., :sink] = 0.0
+        layers.append(weights / weights.sum(-1, keepdim=True).clamp_min(1e-12))
+    return layers
 
 
 _REDUCE = {"max": torch.max, "sum": torch.sum, "mean": torch.mean}

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ilcp import compat
 from ilcp.checks import positive_int
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
-from ilcp.rclc.selectors.base import AttentionProfile, Selector
+from ilcp.rclc.selectors.base import AttentionProfile, Selector, attention_to_sender, sink_window
 
 REREAD_PROMPT = "\n\nRepeat the text above word for word:\n"
 
@@ -46,7 +45,7 @@ class Reread(Selector):
     def profile(self, sender, request_ids: torch.Tensor | None) -> AttentionProfile:
         total = sender.positions
         model = sender.model
-        sink = self.sink_size if total > self.sink_size else min(1, total)
+        sink = sink_window(total, self.sink_size)
         with MODEL_LOCK:
             rows = sender.input_embeds[:total]
             tokenizer = getattr(sender, "tokenizer", None)
@@ -55,18 +54,9 @@ class Reread(Selector):
                 ids = tokenizer(REREAD_PROMPT, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                 prompt = int(ids.numel())
                 rows = torch.cat([hf.embed_ids(model, ids).to(rows.dtype), rows], dim=0)
-            cache = compat.clone_cache(sender.past_key_values)
-            compat.crop_cache(cache, total)
-            with hf.eager_attention(model):
-                outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
-            attentions = getattr(outputs, "attentions", None)
-            if not attentions:
-                raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
+            layers = attention_to_sender(sender, rows, total, sink)
         score = torch.zeros(total)
-        for layer in attentions:
-            weights = layer[0, :, prompt:, :total].float().cpu()  # [heads, T repeated rows, T]
-            weights[..., :sink] = 0.0
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
-            score += weights.amax(dim=1).mean(dim=0)
-        score /= len(attentions)
+        for weights in layers:  # the repeated rows' attention [heads, T, T]
+            score += weights[:, prompt:].amax(dim=1).mean(dim=0)
+        score /= len(layers)
         return AttentionProfile(torch.zeros(total), score, sink)
