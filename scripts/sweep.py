@@ -68,6 +68,10 @@ file's folder and each folder above it):
       methods: [cold_read, cold_read_tuned, prompt_tuned, rclc:cacheback:r4]
       run: reference                  # its run name (default "reference")
       overrides: []                   # training overrides of the reference run only
+    selection:                        # optional: RCLC (or KV relay) rows through their budgets, read on
+      methods: [rclc-budgets, rclc-budgets-tuned]   # the reference run and drawn as one curve per
+      tasks: [babi:2]                 # selector; tasks: a subset of eval.tasks (default: all of them;
+      limit: 100                      # the training task is always read); limit: default eval.limit
     points:
       - name: single-32               # run name too, unless run: is given
         description: ...              # optional
@@ -79,9 +83,12 @@ file's folder and each folder above it):
 
 The reference run trains the variants its methods need (prompt_tuned for prompt_tuned,
 cold_read_tuned for cold_read_tuned and rclc:...:tuned); when none needs trained weights, the
-reference methods are evaluated on the first point's run instead.
+reference methods are evaluated on the first point's run instead. The selection rows are read
+on the same run (which then also trains what they need: cold_read_tuned for ``:tuned``); the
+sweep.md gets one table per task of exact match by selector and budget with r4/r1 and r16/r1, and
+the plot one line per selector and option.
 
---limit N sets both eval.limit and eval.facts_count_limit to N. --set key=value (repeatable)
+--limit N sets eval.limit, eval.facts_count_limit and selection.limit to N. --set key=value (repeatable)
 adds a training override to every run (for example lm.cache_dir=... or trainer.accelerator=gpu);
 it is part of the resolved config, so it decides reuse too.
 """
@@ -110,11 +117,15 @@ SWEEP_JSON = "sweep.json"
 SWEEP_MD = "sweep.md"
 EVAL_RECORD = "sweep_eval.json"
 REFERENCE = "reference"
+SELECTION = "selection"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-_TOP_KEYS = {"name", "description", "base", "overrides", "checkpoints", "out", "eval", "reference", "points"}
+_TOP_KEYS = {"name", "description", "base", "overrides", "checkpoints", "out", "eval", "reference", "selection",
+             "points"}
 _POINT_KEYS = {"name", "run", "overrides", "payload_dtype", "description"}
 _REFERENCE_KEYS = {"methods", "run", "overrides"}
+_SELECTION_KEYS = {"methods", "tasks", "limit"}
+_SELECTION_FAMILIES = ("rclc", "kv_relay")
 _SWEEP_OWNED = ("run_name", "out_dir", "handoff.variants")  # set by the sweep for every run
 _TEXT_METHODS = ("cold_read", "cold_read_tuned")
 _EMPTY_METHODS = ("no_context", "prompt_tuned")
@@ -156,6 +167,13 @@ class Reference:
     overrides: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Selection:
+    methods: tuple[str, ...]
+    tasks: tuple[str, ...]  # besides the training task; a subset of eval.tasks
+    limit: int | None
+
+
 @dataclass
 class Sweep:
     path: Path
@@ -169,6 +187,7 @@ class Sweep:
     out: Path
     description: str = ""
     extra: tuple[str, ...] = ()
+    selection: Selection | None = None
     configs: dict[str, TrainConfig] = field(default_factory=dict)  # run name -> resolved config
 
     def run_names(self) -> list[str]:
@@ -272,11 +291,16 @@ def _eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
     return settings
 
 
-def _reference(raw, where: Path, points: Sequence[Point]) -> Reference | None:
+def _reference(raw, where: Path, points: Sequence[Point],
+               selection_needs: Sequence[str] | None = None) -> Reference | None:
+    """The reference section; ``selection_needs``: the variants the selection rows (read on the
+    same run) need, trained by the reference run too (None: no selection section)."""
     from ilcp.config import VARIANTS
     from ilcp.evaluation import expand_method_names, make_method
 
     if raw is None:
+        if selection_needs is not None:
+            raise SweepError(f"{where}: selection is read on the reference run: add a reference section")
         return None
     if not isinstance(raw, dict):
         raise SweepError(f"{where}: reference must be a mapping with methods (and run, overrides), got {raw!r}")
@@ -295,7 +319,7 @@ def _reference(raw, where: Path, points: Sequence[Point]) -> Reference | None:
         raise SweepError(f"{where}: reference.methods: {e}") from None
     if "ilcp" in names:
         raise SweepError(f"{where}: reference.methods lists ilcp; the sweep's points are the ilcp rows")
-    required = {r for m in made for r in m.requires}
+    required = {r for m in made for r in m.requires} | set(selection_needs or ())
     unknown_req = sorted(required - set(VARIANTS))
     if unknown_req:
         raise SweepError(f"{where}: reference methods need weights no training variant gives: {unknown_req}")
@@ -304,9 +328,10 @@ def _reference(raw, where: Path, points: Sequence[Point]) -> Reference | None:
     run = raw.get("run", REFERENCE)
     if not isinstance(run, str) or not _NAME.match(run):
         raise SweepError(f"{where}: reference.run must be a plain name (letters, digits, . _ -), got {run!r}")
-    if REFERENCE in {p.name for p in points}:
-        raise SweepError(f"{where}: a point is named {REFERENCE!r}, the name of the reference rows' evaluation; "
-                         "rename the point")
+    for label in (REFERENCE, SELECTION):
+        if label in {p.name for p in points}:
+            raise SweepError(f"{where}: a point is named {label!r}, the name of the {label} rows' evaluation; "
+                             "rename the point")
     if required and run in {p.run for p in points}:
         raise SweepError(f"{where}: reference.run {run!r} is also a point's run; give it another name")
     if not required:
@@ -315,6 +340,45 @@ def _reference(raw, where: Path, points: Sequence[Point]) -> Reference | None:
                              "(so there is no reference run to train)")
         return Reference(methods=tuple(names), run=None)
     return Reference(methods=tuple(names), run=run, overrides=overrides)
+
+
+def _selection(raw, where: Path, settings: EvalSettings,
+               limit: int | None) -> tuple[Selection | None, list[str] | None]:
+    """The selection section and the training variants its rows need (None, None: no section)."""
+    from ilcp.evaluation import expand_method_names, make_method
+
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{where}: selection must be a mapping with methods (and tasks, limit), got {raw!r}")
+    unknown = sorted(set(raw) - _SELECTION_KEYS)
+    if unknown:
+        raise SweepError(f"{where}: unknown selection key(s) {unknown}; known: {sorted(_SELECTION_KEYS)}")
+    methods = raw.get("methods") or []
+    if isinstance(methods, str):
+        methods = [m for m in methods.split(",") if m.strip()]
+    if not isinstance(methods, list) or not methods:
+        raise SweepError(f"{where}: selection.methods must be a non-empty list of rclc:/kv_relay: rows or groups "
+                         "(e.g. rclc-budgets)")
+    try:
+        names = expand_method_names(methods)
+        made = [make_method(n) for n in names]
+    except ValueError as e:
+        raise SweepError(f"{where}: selection.methods: {e}") from None
+    other = [n for n in names if n.split(":")[0] not in _SELECTION_FAMILIES]
+    if other:
+        raise SweepError(f"{where}: selection.methods holds {other}: only rclc:... and kv_relay:... rows are drawn as "
+                         "budget curves (list other methods under reference)")
+    tasks = raw.get("tasks", list(settings.tasks))
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",") if t.strip()]
+    if not isinstance(tasks, list) or not set(t.strip() for t in tasks) <= set(settings.tasks):
+        raise SweepError(f"{where}: selection.tasks must be a list drawn from eval.tasks {list(settings.tasks)}, "
+                         f"got {tasks!r}")
+    lim = raw.get("limit", settings.limit) if limit is None else limit
+    lim = None if lim in (None, 0) else _int(lim, "selection.limit", 1, where)
+    needs = sorted({r for m in made for r in m.requires})
+    return Selection(methods=tuple(names), tasks=tuple(t.strip() for t in tasks), limit=lim), needs
 
 
 def _points(raw, where: Path) -> tuple[Point, ...]:
@@ -389,8 +453,9 @@ def load_sweep(path: str | Path, *, out: str | Path | None = None, checkpoints: 
     if limit is not None:
         _int(limit, "--limit", 1, path)
     points = _points(raw.get("points"), path)
-    reference = _reference(raw.get("reference"), path, points)
     settings = _eval_settings(raw.get("eval"), path, limit)
+    selection, selection_needs = _selection(raw.get("selection"), path, settings, limit)
+    reference = _reference(raw.get("reference"), path, points, selection_needs)
     for key, given in (("checkpoints", checkpoints), ("out", out)):
         if given is None and key in raw and (not isinstance(raw[key], str) or not raw[key].strip()):
             raise SweepError(f"{path}: {key} must be a folder path, got {raw[key]!r}")
@@ -398,7 +463,7 @@ def load_sweep(path: str | Path, *, out: str | Path | None = None, checkpoints: 
         path=path, name=name, base=base, overrides=overrides, points=points, reference=reference, eval=settings,
         checkpoints=Path(checkpoints if checkpoints is not None else raw.get("checkpoints", f"checkpoints/sweep-{name}")),
         out=Path(out if out is not None else raw.get("out", f"results/sweep-{name}")),
-        description=str(raw.get("description", "") or ""), extra=extra,
+        description=str(raw.get("description", "") or ""), extra=extra, selection=selection,
     )
     _resolve_configs(sweep)
     return sweep
@@ -428,7 +493,8 @@ def _resolve_configs(sweep: Sweep) -> None:
         first_point.setdefault(p.run, p.name)
     ref = sweep.reference
     if ref is not None and ref.run is not None:
-        required = {r for m in ref.methods for r in make_method(m).requires}
+        selection = sweep.selection.methods if sweep.selection is not None else ()
+        required = {r for m in (*ref.methods, *selection) for r in make_method(m).requires}
         variants = [v for v in VARIANTS if v in required]
         configs[ref.run] = resolve(ref.run, ref.overrides, variants, "reference run")
     sweep.configs = {name: configs[name] for name in sweep.run_names()}
@@ -553,7 +619,7 @@ class EvalEntry:
     run: str
     methods: tuple[str, ...]
     payload_dtype: str
-    kind: str  # "ilcp" or "reference"
+    kind: str  # "ilcp", "reference" or "selection"
 
 
 def eval_entries(sweep: Sweep) -> list[EvalEntry]:
@@ -562,7 +628,18 @@ def eval_entries(sweep: Sweep) -> list[EvalEntry]:
     if ref is not None:
         entries.append(EvalEntry(REFERENCE, ref.run or sweep.points[0].run, ref.methods, "float32", "reference"))
     entries += [EvalEntry(p.name, p.run, ("ilcp",), p.payload_dtype, "ilcp") for p in sweep.points]
+    if sweep.selection is not None:
+        entries.append(EvalEntry(SELECTION, ref.run or sweep.points[0].run, sweep.selection.methods, "float32",
+                                 "selection"))
     return entries
+
+
+def _entry_settings(sweep: Sweep, entry: EvalEntry) -> EvalSettings:
+    """The eval settings of one entry: the sweep's, or for the selection rows their own tasks and
+    limit and no facts-count sweep."""
+    if entry.kind != "selection":
+        return sweep.eval
+    return replace(sweep.eval, tasks=sweep.selection.tasks, limit=sweep.selection.limit, facts_counts=())
 
 
 def _run_digest(run_dir: Path) -> str:
@@ -620,9 +697,9 @@ def evaluate_entries(sweep: Sweep, lms: _LMs, *, resume: bool, log) -> dict[str,
     """label -> {"results": evaluate()'s results as written, "facts_count_bytes", "evaluation", "dir"}."""
     from ilcp.evaluation.run import evaluate
 
-    s = sweep.eval
     done = {}
     for entry in eval_entries(sweep):
+        s = _entry_settings(sweep, entry)
         cfg = sweep.configs[entry.run]
         out = sweep.out / "evals" / entry.label
         key = {"run": entry.run, "run_digest": _run_digest(cfg.run_dir), "methods": list(entry.methods),
@@ -745,8 +822,14 @@ def markdown(summary: dict) -> str:
         lines += ["", f"Reference rows: {', '.join(ref['methods'])}, evaluated on run `{ref['run']}` "
                       f"(trains {', '.join(ref['variants']) or 'nothing: none needs trained weights'}; "
                       f"training {ref['training']}, evaluation {ref['evaluation']})."]
+    sel = summary.get("selection")
+    if sel:
+        lines += ["", f"Selection rows: {len(sel['methods'])} rclc/kv_relay rows on run `{sel['run']}`, "
+                      f"{sel['limit'] or 'all'} questions per task (the training task"
+                      f"{''.join(', ' + t for t in sel['tasks'])}; evaluation {sel['evaluation']}"
+                      + (f", {sel['seconds']:.0f} s" if sel.get("seconds") else "") + "); tables below each panel's."]
     for panel in summary["panels"]:
-        rows = sorted((r for r in summary["rows"] if r["panel"] == panel["key"]),
+        rows = sorted((r for r in summary["rows"] if r["panel"] == panel["key"] and r["kind"] != "selection"),
                       key=lambda r: (r["wire_bytes"] if r["wire_bytes"] is not None else -1, r["label"]))
         lines += ["", f"## {panel['title']}", "", f"{panel['source']}; n = {panel['n']}.", "",
                   "| row | kind | wire bytes | tensor bytes | exact match % [95% CI] | contains % | n |",
@@ -757,6 +840,8 @@ def markdown(summary: dict) -> str:
             kind = "reference" if r["kind"] == "reference" else f"ilcp {r['payload_dtype']}"
             lines.append(f"| {r['label']} | {kind} | {_bytes(r['wire_bytes'])} | {_bytes(r['tensor_bytes'])} | {em} "
                          f"| {_pct(r['contains'])} | {r['n']} |")
+        lines += selection_table([r for r in summary["rows"] if r["panel"] == panel["key"]
+                                  and r["kind"] == "selection"])
     if any("facts_count" in p for p in summary["panels"]):
         lines += ["", "Panels `@N` come from evaluate()'s facts-count sweep of runs trained on the base facts setting "
                       "(not from runs trained on N facts); it reports ilcp, prompt_tuned and cold_read_tuned only. "
@@ -767,6 +852,42 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _budget_order(budget: str) -> tuple[int, int]:
+    """r<N> by falling N (fewest rows first), then b<N> by rising N."""
+    n = int(budget[1:])
+    return (0, -n) if budget[0] == "r" else (1, n)
+
+
+def selection_table(rows: Sequence[dict]) -> list[str]:
+    """Markdown lines: exact match % of the selection rows of one panel, a line per selector and
+    option, a column per budget, then r1 (every row: the same for every selector) and r4 / r1,
+    r16 / r1 (each curve against the r1 row of its own family and option)."""
+    from ilcp.evaluation.report import selection_curves
+
+    curves = selection_curves({r["label"]: r for r in rows})
+    if not curves:
+        return []
+    budgets = sorted({name.split(":")[2] for c in curves.values() for name, _ in c} - {"r1"}, key=_budget_order)
+    n = sorted({r["n"] for r in rows})
+    lines = ["", f"Selection rows (exact match %, n = {', '.join(map(str, n))}; ratios against the r1 row of the same "
+                 "option):", "",
+             "| selector | " + " | ".join(budgets) + " | r1 | r4 / r1 | r16 / r1 |",
+             "|---|" + "---|" * (len(budgets) + 3)]
+    for key, curve in sorted(curves.items(), key=lambda kv: (kv[0].count(":"), kv[0])):
+        by_budget = {name.split(":")[2]: m for name, m in curve}
+        full = by_budget.get("r1")
+
+        def ratio(b: str) -> str:
+            if full is None or b not in by_budget or not full["exact_match"]:
+                return "-"
+            return f"{100 * by_budget[b]['exact_match'] / full['exact_match']:.0f}%"
+
+        cells = [_pct(by_budget[b]["exact_match"]) if b in by_budget else "-" for b in budgets]
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {_pct(full['exact_match']) if full else '-'} "
+                     f"| {ratio('r4')} | {ratio('r16')} |")
+    return lines
+
+
 # --------------------------------------------------------------------------------------------
 # the plot
 
@@ -775,10 +896,33 @@ _REFERENCE_MARKERS = {"cold_read": "s", "cold_read_tuned": "D"}
 _OTHER_MARKERS = ("^", "v", "P", "X", "<", ">", "h", "*")
 
 
+_SELECTION_STYLES = {"": "-", ":tuned": "--", ":selection_tuned": ":", ":prefix": "-."}
+
+
+def _selection_lines(ax, rows: Sequence[dict], selectors: Sequence[str]) -> None:
+    """The selection rows of one panel as budget curves: a colour per selector (a colour map apart
+    from the reference markers'), a line style per option, thin intervals."""
+    from matplotlib import colormaps
+
+    from ilcp.evaluation.report import selection_curves
+
+    colours = colormaps["Dark2"]
+    for key, curve in sorted(selection_curves({r["label"]: r for r in rows}).items()):
+        family, selector, *options = key.split(":")
+        x = [m["wire_bytes"] for _, m in curve]
+        y = [m["exact_match"] for _, m in curve]
+        ci = [m["exact_match_ci"] or (m["exact_match"], m["exact_match"]) for _, m in curve]
+        ax.errorbar(x, y, yerr=[[e - lo for e, (lo, _) in zip(y, ci)], [hi - e for e, (_, hi) in zip(y, ci)]],
+                    linestyle=_SELECTION_STYLES.get("".join(f":{o}" for o in options), "-"),
+                    marker="s" if family == "kv_relay" else ".", markersize=4, linewidth=1, elinewidth=0.5, capsize=1.5,
+                    color=colours(selectors.index(selector) % colours.N), alpha=0.85, label=key)
+
+
 def plot(summary: dict, path: Path) -> Path:
     """One panel per task (and per number of facts): exact match with 95% intervals against wire
     bytes per request (log x); ilcp points labelled by name, reference methods as their own
-    markers, methods that send nothing as dashed lines."""
+    markers, methods that send nothing as dashed lines, selection rows as one line per selector
+    and option through its budgets."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -794,9 +938,12 @@ def plot(summary: dict, path: Path) -> Path:
     others = iter(_OTHER_MARKERS * 4)
     for i, name in enumerate(reference_names):
         style[name] = (_REFERENCE_MARKERS.get(name) or next(others), f"C{(i + 1) % 10}")
+    selectors = sorted({r["label"].split(":")[1] for r in summary["rows"] if r["kind"] == "selection"})
     for ax, panel in zip(axes.flat, panels):
         rows = [r for r in summary["rows"] if r["panel"] == panel["key"] and r["exact_match"] is not None]
-        positive = [r["wire_bytes"] for r in rows if r["wire_bytes"]]
+        _selection_lines(ax, [r for r in rows if r["kind"] == "selection"], selectors)
+        rows = [r for r in rows if r["kind"] != "selection"]
+        positive = [r["wire_bytes"] for r in summary["rows"] if r["panel"] == panel["key"] and r["wire_bytes"]]
         placed: dict[float, int] = {}
         ilcp_labelled = False
         for r in sorted(rows, key=lambda r: (r["kind"] != "ilcp", r["label"])):
@@ -836,7 +983,7 @@ def plot(summary: dict, path: Path) -> Path:
         ax.set_ylabel("exact match (95% interval)")
         ax.set_title(f"{panel['title']} (n={panel['n']})", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=6 if selectors else 7, loc="best", ncol=2 if selectors else 1)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"Payload sweep {summary['name']}: accuracy against wire bytes", fontsize=11)
@@ -895,6 +1042,13 @@ def run_sweep(sweep: Sweep, *, resume: bool = False, overwrite: bool = False, lm
             "variants": list(sweep.configs[run].handoff.variants) if ref.run else [],
             "overrides": list(ref.overrides), "training": trained[run]["training"],
             "evaluation": evals[REFERENCE]["evaluation"], "eval_dir": evals[REFERENCE]["dir"],
+        }
+    if sweep.selection is not None:
+        run = ref.run or sweep.points[0].run
+        summary["selection"] = {
+            "methods": list(sweep.selection.methods), "tasks": list(sweep.selection.tasks),
+            "limit": sweep.selection.limit, "run": run, "evaluation": evals[SELECTION]["evaluation"],
+            "eval_dir": evals[SELECTION]["dir"], "seconds": evals[SELECTION].get("seconds"),
         }
     sweep.out.mkdir(parents=True, exist_ok=True)
     plot(summary, sweep.out / PLOT)

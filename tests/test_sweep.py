@@ -88,9 +88,48 @@ def test_tiny_sweep_writes_every_point_the_plot_and_the_table(tiny_sweep):
     assert (out / "accuracy_vs_wire_bytes.png").stat().st_size > 10_000
     md = (out / "sweep.md").read_text()
     assert all(f"| {name} |" in md for name in declared) and "## facts-heldout, 8 facts per context" in md
-    for label in ["reference"] + declared:
+    for label in ["reference", "selection"] + declared:
         assert (out / "evals" / label / "results.json").is_file()
     assert any("run single-4: training" in line for line in lines)
+
+
+def test_the_selection_rows_are_read_on_the_reference_run_and_tabled_per_selector(tiny_sweep):
+    root, _ = tiny_sweep
+    summary = json.loads((root / "out" / "sweep.json").read_text())
+    declared = yaml.safe_load((SWEEPS / "tiny.yaml").read_text())["selection"]["methods"]
+    assert summary["selection"]["methods"] == declared and summary["selection"]["run"] == "reference"
+    selection = [r for r in summary["rows"] if r["kind"] == "selection"]
+    # tasks: [] reads the training task only, at the selection's own limit
+    assert {r["panel"] for r in selection} == {"facts"} and {r["n"] for r in selection} == {3}
+    assert sorted(r["label"] for r in selection) == sorted(declared)
+    rows = {r["label"]: r for r in selection}
+    assert rows["rclc:cacheback:r1"]["wire_bytes"] > rows["rclc:cacheback:r2"]["wire_bytes"] > \
+        rows["rclc:cacheback:r4"]["wire_bytes"] > 0
+    # the same selection, with or without the tuned vectors in front, sends the same rows
+    assert rows["rclc:cacheback:r1"]["wire_bytes"] == rows["rclc:cacheback:r1:tuned"]["wire_bytes"]
+    md = (root / "out" / "sweep.md").read_text()
+    assert "Selection rows: 8 rclc/kv_relay rows on run `reference`, 3 questions per task" in md
+    facts_section = md.split("## facts\n")[1].split("\n## ")[0]
+    assert "| selector | r4 | r2 | b4 | r1 | r4 / r1 | r16 / r1 |" in facts_section
+    assert "| rclc:cacheback |" in facts_section and "| rclc:qsnap:tuned |" in facts_section
+    assert "rclc:qsnap:r4:tuned" not in facts_section.split("Selection rows")[0]  # not among the reference rows
+
+
+def test_the_selection_table_divides_by_the_r1_row_of_the_same_option():
+    def row(label, em, wire):
+        return {"label": label, "exact_match": em, "exact_match_ci": [em, em], "wire_bytes": wire, "n": 10}
+
+    lines = sweep_script.selection_table([
+        row("rclc:cacheback:r1", 0.4, 100), row("rclc:cacheback:r4", 0.1, 25), row("rclc:cacheback:r16", 0.0, 7),
+        row("rclc:cacheback:b16", 0.2, 50), row("rclc:qsnap:r4", 0.3, 25), row("rclc:qsnap:r16", 0.2, 7),
+        row("rclc:cacheback:r1:tuned", 0.5, 100), row("rclc:qsnap:r4:tuned", 0.5, 25),
+    ])
+    table = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| rclc")}
+    assert lines[3] == "| selector | r16 | r4 | b16 | r1 | r4 / r1 | r16 / r1 |"
+    assert table["rclc:cacheback"] == "| rclc:cacheback | 0.0 | 10.0 | 20.0 | 40.0 | 25% | 0% |"
+    assert table["rclc:qsnap"] == "| rclc:qsnap | 20.0 | 30.0 | - | 40.0 | 75% | 50% |"
+    assert table["rclc:qsnap:tuned"] == "| rclc:qsnap:tuned | - | 50.0 | - | 50.0 | 100% | - |"
+    assert sweep_script.selection_table([row("rclc:qsnap:r4", 0.3, 25)]) == []  # no curve of two budgets
 
 
 def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
@@ -110,7 +149,7 @@ def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
     lines = []
     assert sweep_script.main(_args(root, SWEEPS / "tiny.yaml", "--resume"), log=lines.append) == 0
     assert not any("loading LM" in line for line in lines)
-    assert sum("reusing" in line and line.startswith("eval ") for line in lines) == 7
+    assert sum("reusing" in line and line.startswith("eval ") for line in lines) == 8
     resumed = json.loads((root / "out" / "sweep.json").read_text())
     assert {p["evaluation"] for p in resumed["points"]} == {"reused"}
     assert resumed["rows"] == summary["rows"]
@@ -237,6 +276,17 @@ BASE = {"name": "bad", "base": str(REPO / "configs" / "tiny.yaml"),
     ({"reference": {"methods": ["prompt_tuned"], "run": "a"}}, "also a point's run"),
     ({"reference": {"methods": ["cold_read"], "overrides": ["handoff.max_steps=2"]}}, "no reference run"),
     ({"reference": {"methods": ["cold_read"]}, "points": [{"name": "reference"}]}, "rename the point"),
+    ({"selection": {"methods": ["rclc:qsnap:r4"]}}, "add a reference section"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": ["cold_read"]}}, "only rclc"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": []}}, "non-empty list"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": ["rclc:nope:r4"]}}, "unknown selector"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": ["rclc:qsnap:r4"], "tasks": ["babi:2"]}},
+     "drawn from eval.tasks"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": ["rclc:qsnap:r4"], "limit": -2}},
+     "selection.limit"),
+    ({"reference": {"methods": ["cold_read"]}, "selection": {"methods": ["rclc:qsnap:r4"], "colour": 1}},
+     "unknown selection key"),
+    ({"reference": {"methods": ["cold_read"]}, "points": [{"name": "selection"}]}, "rename the point"),
     ({"eval": {"tasks": ["babi:999"]}}, "eval.tasks"),
     ({"eval": {"limit": -1}}, "eval.limit"),
     ({"eval": {"facts_counts": [0]}}, "eval.facts_counts"),
@@ -264,6 +314,28 @@ def test_override_forms_and_a_reference_without_weights(tmp_path):
     assert (cfg.compressor.latent_dim, cfg.compressor.pooling, cfg.handoff.finetune_encoder) == (12, "mean", False)
     assert sweep.reference.run is None and list(sweep.configs) == ["a"]
     assert sweep_script.eval_entries(sweep)[0].run == "a"
+
+
+def test_selection_rows_needing_weights_train_them_on_the_reference_run(tmp_path):
+    path = tmp_path / "selection.yaml"
+    path.write_text(yaml.safe_dump({
+        **BASE, "eval": {"tasks": ["babi:2"], "limit": 50},
+        "reference": {"methods": ["cold_read"]},
+        "selection": {"methods": ["rclc:qsnap:r4:tuned", "rclc:qsnap:r1:tuned", "rclc:qsnap:r4"]},
+    }))
+    sweep = sweep_script.load_sweep(path)
+    assert sweep.reference.run == "reference" and list(sweep.configs["reference"].handoff.variants) == [
+        "cold_read_tuned"]
+    entry = sweep_script.eval_entries(sweep)[-1]
+    assert (entry.label, entry.kind, entry.run) == ("selection", "selection", "reference")
+    settings = sweep_script._entry_settings(sweep, entry)
+    assert (settings.tasks, settings.limit, settings.facts_counts) == (("babi:2",), 50, ())
+    assert sweep_script.load_sweep(path, limit=5).selection.limit == 5  # --limit sets it too
+    raw = yaml.safe_load(path.read_text())
+    raw["selection"].update(tasks=[], limit=0)
+    path.write_text(yaml.safe_dump(raw))
+    assert sweep_script.load_sweep(path).selection == sweep_script.Selection(
+        methods=("rclc:qsnap:r4:tuned", "rclc:qsnap:r1:tuned", "rclc:qsnap:r4"), tasks=(), limit=None)
 
 
 def test_the_command_line_rejects_bad_arguments(tmp_path, capsys):
