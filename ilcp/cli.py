@@ -54,12 +54,12 @@ into --out (default results/RUN) and prints the tables.
 
 RCLC rows (`ilcp.evaluation.rclc_methods`) are named rclc:SELECTOR:rN (relative budget, ceil(T/N)
 of the sender's T rows) or rclc:SELECTOR:bN (at most N rows), SELECTOR one of cacheback, qsnap,
-chunkkv. The receiver is ilcp.rclc.HFReceiver, as a user would call it: with
+chunkkv, sentences, reread, overlap. The receiver is ilcp.rclc.HFReceiver, as a user would call it: with
 placement="in_prompt" the rows sit where the context text would (r1 gives the cold read's
 prefix), with :prefix (placement="prefix", the RCLC spec's placement) before the question
 prompt, and with :tuned after cold_read_tuned's K vectors. Groups: default (no_context,
 prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not given),
-rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv, sentences and reread at
+rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv, sentences, reread and overlap at
 r4, r16 and b16; cacheback r4:prefix and r4:tuned), rclc-budgets (every selector at r16, r8, r4,
 r2, b16 and b32, and r1; plotted as selection_budgets.png) and rclc-budgets-tuned (the same, :tuned).
 An RCLC row costs about 1.5 cold_read rows

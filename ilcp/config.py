@@ -24,7 +24,7 @@ from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
-SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv", "sentences", "reread")  # ilcp.rclc.selectors' built-in selectors
+SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv", "sentences", "reread", "overlap")  # ilcp.rclc.selectors' built-in selectors
 
 
 def _f(default, help: str, **kw):

@@ -17,7 +17,7 @@ from .prompts import SYSTEM, cold_read_user_text, question_user_text, render
 __all__ = ["SELECTORS", "ReceiverFraming", "receiver_framing", "selection_prompt_ids"]
 
 SELECTORS = {"cacheback": rclc.selectors.cacheback, "qsnap": rclc.selectors.qsnap, "chunkkv": rclc.selectors.chunkkv,
-             "sentences": rclc.selectors.sentences, "reread": rclc.selectors.reread}
+             "sentences": rclc.selectors.sentences, "reread": rclc.selectors.reread, "overlap": rclc.selectors.overlap}
 
 _CONTEXT_MARK = "\x00RCLC-CONTEXT\x00"
 _REQUEST_MARK = "\x00RCLC-REQUEST\x00"

@@ -6,7 +6,7 @@
     rclc:chunkkv:r16:tuned     cold_read_tuned's K vectors, then the in-prompt rows
     rclc:cacheback:r4:selection_tuned   selection_tuned's K vectors, then the in-prompt rows
 
-Selectors: ``cacheback``, ``qsnap``, ``chunkkv``, ``sentences``, ``reread`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
+Selectors: ``cacheback``, ``qsnap``, ``chunkkv``, ``sentences``, ``reread``, ``overlap`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
 the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budget
 ``min(N, T)`` (`ilcp.rclc.budget`); N >= 1.
 
@@ -86,7 +86,7 @@ SELECTION_SOFT_PROMPT = "selection_tuned"
 # sits between r4 and r1 (b32 would keep every row of 80 of those 200 contexts).
 RCLC_METHODS = (
     "rclc:cacheback:r1",
-    *(f"rclc:{s}:{b}" for s in ("cacheback", "qsnap", "chunkkv", "sentences", "reread") for b in ("r4", "r16", "b16")),
+    *(f"rclc:{s}:{b}" for s in SELECTORS for b in ("r4", "r16", "b16")),
     "rclc:cacheback:r4:prefix",
     "rclc:cacheback:r4:tuned",
 )

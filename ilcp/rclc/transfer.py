@@ -129,7 +129,7 @@ async def transfer(
         raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
     selector = DEFAULT_SELECTOR if selector is None else selector
     if not callable(selector):
-        hint = ": the built-in ones are rclc.selectors.cacheback, qsnap, chunkkv, sentences and reread" if isinstance(selector, str) else ""
+        hint = ": the built-in ones are rclc.selectors.cacheback, qsnap, chunkkv, sentences, reread and overlap" if isinstance(selector, str) else ""
         raise TypeError(f"selector must be callable (selector(sender, request_ids, budget) -> positions), got "
                         f"{selector!r}{hint}")
     post_selection = _check_reasoning(reasoning, reasoning_context, reasoning_budget)
