@@ -941,8 +941,12 @@ def plot(summary: dict, path: Path) -> Path:
     selectors = sorted({r["label"].split(":")[1] for r in summary["rows"] if r["kind"] == "selection"})
     for ax, panel in zip(axes.flat, panels):
         rows = [r for r in summary["rows"] if r["panel"] == panel["key"] and r["exact_match"] is not None]
-        _selection_lines(ax, [r for r in rows if r["kind"] == "selection"], selectors)
+        selection = [r for r in rows if r["kind"] == "selection"]
+        _selection_lines(ax, selection, selectors)
         rows = [r for r in rows if r["kind"] != "selection"]
+        shown_n = f"n={panel['n']}"
+        if {r["n"] for r in selection} - {panel["n"]}:
+            shown_n += f"; selection rows n={', '.join(str(n) for n in sorted({r['n'] for r in selection}))}"
         positive = [r["wire_bytes"] for r in summary["rows"] if r["panel"] == panel["key"] and r["wire_bytes"]]
         placed: dict[float, int] = {}
         ilcp_labelled = False
@@ -981,7 +985,7 @@ def plot(summary: dict, path: Path) -> Path:
         ax.set_ylim(-0.02, 1.12)
         ax.set_xlabel("wire bytes per request (log)")
         ax.set_ylabel("exact match (95% interval)")
-        ax.set_title(f"{panel['title']} (n={panel['n']})", fontsize=10)
+        ax.set_title(f"{panel['title']} ({shown_n})", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6 if selectors else 7, loc="best", ncol=2 if selectors else 1)
     for ax in list(axes.flat)[len(panels):]:
