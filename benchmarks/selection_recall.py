@@ -23,7 +23,6 @@ selector-budget pair on one CPU thread with SmolLM2-135M (one attention pass eac
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
