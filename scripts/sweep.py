@@ -291,32 +291,39 @@ def _eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
     return settings
 
 
+def _section_methods(raw, where: Path, section: str, keys: set, others: str, what: str) -> tuple[list[str], list]:
+    """A reference or selection mapping's checked keys, and its methods: names with the groups
+    expanded, and the methods made from them."""
+    from ilcp.evaluation import expand_method_names, make_method
+
+    if not isinstance(raw, dict):
+        raise SweepError(f"{where}: {section} must be a mapping with methods {others}, got {raw!r}")
+    unknown = sorted(set(raw) - keys)
+    if unknown:
+        raise SweepError(f"{where}: unknown {section} key(s) {unknown}; known: {sorted(keys)}")
+    methods = raw.get("methods") or []
+    if isinstance(methods, str):
+        methods = [m for m in methods.split(",") if m.strip()]
+    if not isinstance(methods, list) or not methods:
+        raise SweepError(f"{where}: {section}.methods must be a non-empty list of {what}")
+    try:
+        names = expand_method_names(methods)
+        return names, [make_method(n) for n in names]
+    except ValueError as e:
+        raise SweepError(f"{where}: {section}.methods: {e}") from None
+
+
 def _reference(raw, where: Path, points: Sequence[Point],
                selection_needs: Sequence[str] | None = None) -> Reference | None:
     """The reference section; ``selection_needs``: the variants the selection rows (read on the
     same run) need, trained by the reference run too (None: no selection section)."""
     from ilcp.config import VARIANTS
-    from ilcp.evaluation import expand_method_names, make_method
 
     if raw is None:
         if selection_needs is not None:
             raise SweepError(f"{where}: selection is read on the reference run: add a reference section")
         return None
-    if not isinstance(raw, dict):
-        raise SweepError(f"{where}: reference must be a mapping with methods (and run, overrides), got {raw!r}")
-    unknown = sorted(set(raw) - _REFERENCE_KEYS)
-    if unknown:
-        raise SweepError(f"{where}: unknown reference key(s) {unknown}; known: {sorted(_REFERENCE_KEYS)}")
-    methods = raw.get("methods") or []
-    if isinstance(methods, str):
-        methods = [m for m in methods.split(",") if m.strip()]
-    if not isinstance(methods, list) or not methods:
-        raise SweepError(f"{where}: reference.methods must be a non-empty list of method names")
-    try:
-        names = expand_method_names(methods)
-        made = [make_method(n) for n in names]
-    except ValueError as e:
-        raise SweepError(f"{where}: reference.methods: {e}") from None
+    names, made = _section_methods(raw, where, "reference", _REFERENCE_KEYS, "(and run, overrides)", "method names")
     if "ilcp" in names:
         raise SweepError(f"{where}: reference.methods lists ilcp; the sweep's points are the ilcp rows")
     required = {r for m in made for r in m.requires} | set(selection_needs or ())
@@ -345,26 +352,10 @@ def _reference(raw, where: Path, points: Sequence[Point],
 def _selection(raw, where: Path, settings: EvalSettings,
                limit: int | None) -> tuple[Selection | None, list[str] | None]:
     """The selection section and the training variants its rows need (None, None: no section)."""
-    from ilcp.evaluation import expand_method_names, make_method
-
     if raw is None:
         return None, None
-    if not isinstance(raw, dict):
-        raise SweepError(f"{where}: selection must be a mapping with methods (and tasks, limit), got {raw!r}")
-    unknown = sorted(set(raw) - _SELECTION_KEYS)
-    if unknown:
-        raise SweepError(f"{where}: unknown selection key(s) {unknown}; known: {sorted(_SELECTION_KEYS)}")
-    methods = raw.get("methods") or []
-    if isinstance(methods, str):
-        methods = [m for m in methods.split(",") if m.strip()]
-    if not isinstance(methods, list) or not methods:
-        raise SweepError(f"{where}: selection.methods must be a non-empty list of rclc:/kv_relay: rows or groups "
-                         "(e.g. rclc-budgets)")
-    try:
-        names = expand_method_names(methods)
-        made = [make_method(n) for n in names]
-    except ValueError as e:
-        raise SweepError(f"{where}: selection.methods: {e}") from None
+    names, made = _section_methods(raw, where, "selection", _SELECTION_KEYS, "(and tasks, limit)",
+                                   "rclc:/kv_relay: rows or groups (e.g. rclc-budgets)")
     other = [n for n in names if n.split(":")[0] not in _SELECTION_FAMILIES]
     if other:
         raise SweepError(f"{where}: selection.methods holds {other}: only rclc:... and kv_relay:... rows are drawn as "
