@@ -363,7 +363,8 @@ def _selection(raw, where: Path, settings: EvalSettings,
     tasks = raw.get("tasks", list(settings.tasks))
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t.strip()]
-    if not isinstance(tasks, list) or not set(t.strip() for t in tasks) <= set(settings.tasks):
+    if (not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks)
+            or not {t.strip() for t in tasks} <= set(settings.tasks)):
         raise SweepError(f"{where}: selection.tasks must be a list drawn from eval.tasks {list(settings.tasks)}, "
                          f"got {tasks!r}")
     lim = raw.get("limit", settings.limit) if limit is None else limit
