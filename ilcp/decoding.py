@@ -1,9 +1,10 @@
 """Prefix assembly and the one greedy decoder that every evaluation method uses.
 
 A receiver's prefix is a sequence of parts in embedding space: soft-prompt vectors (ILCP memory,
-tuned constant vectors), received rows (RCLC) and rendered prompt text. `assemble_prefix` turns
-the parts into one (L, H) tensor; `greedy_decode` decodes many prefixes in left-padded batches:
-one wide prefill over ``inputs_embeds`` with an attention mask and explicit position ids, then
+tuned constant vectors), received rows (RCLC) and rendered prompt text; which parts stand in
+which order is decided in one place, `ilcp.prefix.receiver_prefix`. `assemble_prefix` turns
+free-form parts into one (L, H) tensor; `greedy_decode` decodes many prefixes in left-padded
+batches: one wide prefill over ``inputs_embeds`` with an attention mask and explicit position ids, then
 single-token steps that reuse the key/value cache. Position ids count from 0 at each row's
 first real position, so a row decodes the same tokens whatever it is batched with.
 
@@ -29,11 +30,14 @@ from ilcp.checks import positive_int
 
 __all__ = [
     "DecodeResult",
+    "decoded_answer",
     "assemble_prefix",
+    "cut_answer",
     "decode_one",
     "embed_text",
     "greedy_decode",
     "greedy_decode_ids",
+    "has_line",
     "left_pad",
     "stop_token_ids",
 ]
@@ -160,14 +164,30 @@ def stop_token_ids(model: nn.Module, tokenizer) -> set[int]:
     return ids
 
 
-def _answer_text(tokenizer, ids: list[int], stop_at_newline: bool) -> str:
+def decoded_answer(tokenizer, ids: list[int], stop_at_newline: bool) -> str:
+    """The answer string of generated ids: special tokens removed, stripped; with
+    ``stop_at_newline`` its first line only."""
     text = tokenizer.decode(ids, skip_special_tokens=True).strip()
     return text.split("\n", 1)[0].strip() if stop_at_newline else text
 
 
-def _has_line(tokenizer, ids: list[int]) -> bool:
+def has_line(tokenizer, ids: list[int]) -> bool:
     """True once the decoded text has a non-empty line followed by a newline."""
     return "\n" in tokenizer.decode(ids, skip_special_tokens=True).lstrip()
+
+
+def cut_answer(tokenizer, ids: Sequence[int], stops, max_new_tokens: int, stop_at_newline: bool) -> list[int]:
+    """The stop rule every decoder applies to a greedy continuation ``ids``: at most
+    ``max_new_tokens`` tokens, ending before the first stop token, and with ``stop_at_newline``
+    after the token that completes the first line."""
+    answer: list[int] = []
+    for t in list(ids)[:max_new_tokens]:
+        if t in stops:
+            break
+        answer.append(int(t))
+        if stop_at_newline and has_line(tokenizer, answer):
+            break
+    return answer
 
 
 def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, stops):
@@ -207,7 +227,7 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
                 done[i] = True
                 continue
             generated[i].append(t)
-            if stop_at_newline and _has_line(tokenizer, generated[i]):
+            if stop_at_newline and has_line(tokenizer, generated[i]):
                 done[i] = True
         if all(done) or step == max_new_tokens - 1:
             break
@@ -277,7 +297,7 @@ def greedy_decode(
         model, tokenizer, prefixes,
         max_new_tokens=max_new_tokens, batch_size=batch_size, stop_at_newline=stop_at_newline,
     )
-    return [_answer_text(tokenizer, row, stop_at_newline) for row in ids]
+    return [decoded_answer(tokenizer, row, stop_at_newline) for row in ids]
 
 
 def decode_one(
@@ -303,7 +323,7 @@ def decode_one(
             model, tokenizer, [prefix], max_new_tokens, stop_at_newline, stops
         )
     return DecodeResult(
-        text=_answer_text(tokenizer, ids[0], stop_at_newline),
+        text=decoded_answer(tokenizer, ids[0], stop_at_newline),
         prefill_s=prefill_s,
         total_s=total_s,
         new_tokens=counts[0],

@@ -29,19 +29,20 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from .checks import positive_int
-from .decoding import assemble_prefix, greedy_decode
+from .decoding import greedy_decode
 from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
 from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
-from .prompts import memory_prompt, reconstruction_prompt
+from .prefix import receiver_prefix
+from .prompts import reconstruction_prompt
 from .transport import PayloadError, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
@@ -245,16 +246,34 @@ class ILCPHandoff:
         """
         batch_size = positive_int("batch_size", batch_size)
         inputs = self.sender_inputs(contexts)  # validates and truncates
-        lengths = inputs["attention_mask"].sum(-1).tolist()
-        order = sorted(range(len(contexts)), key=lambda i: lengths[i])
-        out: list[Tensor] = [None] * len(contexts)  # type: ignore[list-item]
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            width = max(lengths[i] for i in chunk)
-            mask = inputs["attention_mask"][chunk, :width]
+        ids, attention = inputs["input_ids"], inputs["attention_mask"]
+
+        def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
+            mask = attention[rows, :width]
             with torch.no_grad():
-                states = sender_token_states(self.lm.model, inputs["input_ids"][chunk, :width], mask, self.layers)
-            for i, z in zip(chunk, self.encode_states(states, mask)):
+                return sender_token_states(self.lm.model, ids[rows, :width], mask, self.layers), mask
+
+        return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of)
+
+    def encode_in_batches(self, lengths: Sequence[int], batch_size: int,
+                          states_of: Callable[[list[int], int], tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """Each context's latent, encoding contexts of similar lengths together.
+
+        Args:
+            lengths: each context's token count.
+            batch_size: contexts per batch.
+            states_of: ``(rows, width) -> (states (B, width, D), mask (B, width))``, the sender
+                states of those contexts, right-padded to ``width``.
+
+        Returns:
+            one float32 latent per context, in the order of ``lengths`` (see `latents`).
+        """
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        out: list[Tensor] = [None] * len(lengths)  # type: ignore[list-item]
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            states, mask = states_of(rows, max(lengths[i] for i in rows))
+            for i, z in zip(rows, self.encode_states(states, mask)):
                 out[i] = z
         return out
 
@@ -372,19 +391,16 @@ class ILCPHandoff:
         return memory.to(self.lm.device)
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
-        """The receiver's prefixes, one per question and context: ``[memory ; question prompt]``, or
-        for a run trained with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the
-        memory where the context text would stand (`ilcp.prompts.memory_prompt`)."""
+        """The receiver's prefixes (L_i, H), one per question and context, in the layout training
+        used (`ilcp.prefix.receiver_prefix`): ``[memory ; question prompt]``, or for a run trained
+        with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the memory where the
+        context text would stand."""
         memory = self.memory_vectors(payload)
         if memory.shape[0] != len(questions):
             raise ValueError(f"payload holds {memory.shape[0]} latent(s) but {len(questions)} question(s) were given")
         tok = self.lm.tokenizer
-        out = []
-        for i, q in enumerate(questions):
-            before, after = memory_prompt(tok, q, self.encoder.placement)
-            fmt = [self.encoder.format_prompt.vectors.detach()] if self.encoder.format_prompt is not None else []
-            out.append(assemble_prefix(self.lm.model, tok, fmt + ([before] if before else []) + [memory[i], after]))
-        return out
+        return [receiver_prefix(tok, q, source=self.encoder, memory=memory[i]).embeds(self.lm.model)
+                for i, q in enumerate(questions)]
 
     def receive(
         self,
@@ -437,8 +453,9 @@ class ILCPHandoff:
         positive_int("max_new_tokens", max_new_tokens)
         memory = self.memory_vectors(payload)
         tok = self.lm.tokenizer
-        instruction = reconstruction_prompt(tok)
-        prefixes = [assemble_prefix(self.lm.model, tok, [memory[i], instruction]) for i in range(memory.shape[0])]
+        instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
+        prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(self.lm.model)
+                    for i in range(memory.shape[0])]
         return greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
     def __repr__(self) -> str:

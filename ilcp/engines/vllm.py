@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..checks import positive_int
-from ..decoding import _answer_text, _has_line, stop_token_ids
+from ..decoding import cut_answer, decoded_answer, stop_token_ids
 from ..handoff import ILCPHandoff
 from ..lm import LM
 from ..transport import TransportPayload
@@ -316,15 +316,7 @@ class VLLMDecoder:
         )
 
     def _cut(self, ids: Sequence[int], max_new_tokens: int, stop_at_newline: bool) -> list[int]:
-        tokenizer = self.lm.tokenizer
-        answer: list[int] = []
-        for t in list(ids)[:max_new_tokens]:
-            if t in self.stops:
-                break
-            answer.append(int(t))
-            if stop_at_newline and _has_line(tokenizer, answer):
-                break
-        return answer
+        return cut_answer(self.lm.tokenizer, ids, self.stops, max_new_tokens, stop_at_newline)
 
     def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
         """Raise ValueError when the engine cannot take ``prefix`` as prompt embeddings: not an
@@ -377,7 +369,7 @@ class VLLMDecoder:
     ) -> list[str]:
         """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
         ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
-        return [_answer_text(self.lm.tokenizer, row, stop_at_newline) for row in ids]
+        return [decoded_answer(self.lm.tokenizer, row, stop_at_newline) for row in ids]
 
     def __repr__(self) -> str:
         return f"VLLMDecoder(lm={self.lm.spec!r}, dtype={self.dtype}, max_model_len={self.max_model_len})"
@@ -591,20 +583,16 @@ class VLLMSender:
         tensor per context, (Z,), or (N_i, Z) for a run with one latent per chunk."""
         batch_size = positive_int("batch_size", batch_size)
         states = self.token_states(contexts)
-        lengths = [s.shape[0] for s in states]
-        order = sorted(range(len(states)), key=lambda i: lengths[i])
-        out: list[Tensor] = [None] * len(states)  # type: ignore[list-item]
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            width = max(lengths[i] for i in chunk)
-            padded = states[chunk[0]].new_zeros((len(chunk), width, states[chunk[0]].shape[1]))
-            mask = torch.zeros((len(chunk), width), dtype=torch.long, device=padded.device)
-            for row, i in enumerate(chunk):
-                padded[row, :lengths[i]] = states[i]
-                mask[row, :lengths[i]] = 1
-            for i, z in zip(chunk, self.handoff.encode_states(padded, mask)):
-                out[i] = z
-        return out
+
+        def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
+            padded = states[rows[0]].new_zeros((len(rows), width, states[rows[0]].shape[1]))
+            mask = torch.zeros((len(rows), width), dtype=torch.long, device=padded.device)
+            for row, i in enumerate(rows):
+                padded[row, :states[i].shape[0]] = states[i]
+                mask[row, :states[i].shape[0]] = 1
+            return padded, mask
+
+        return self.handoff.encode_in_batches([s.shape[0] for s in states], batch_size, states_of)
 
     def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
         """`ILCPHandoff.send` with the states from the pooling engine."""

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .. import compat, rclc
-from ..decoding import DecodeResult, _answer_text, _has_line, stop_token_ids  # the shared stop rule
+from ..decoding import DecodeResult, decoded_answer, has_line, stop_token_ids  # the shared stop rule
 from ..prompts import question_prompt
 from ..rclc.hf import context_limit
 from .rclc_methods import SELECTORS, SENDER_STATES, SenderStates, parse_selection_name, receiver_framing
@@ -195,7 +195,7 @@ def relay_decode(model, tokenizer, inputs: RelayInputs, *, max_new_tokens: int, 
             if token in stops:
                 break
             generated.append(token)
-            if (stop_at_newline and _has_line(tokenizer, generated)) or step == max_new_tokens - 1:
+            if (stop_at_newline and has_line(tokenizer, generated)) or step == max_new_tokens - 1:
                 break
             cache = compat.output_cache(out)
             mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
@@ -203,7 +203,7 @@ def relay_decode(model, tokenizer, inputs: RelayInputs, *, max_new_tokens: int, 
             out = model(input_ids=torch.tensor([[token]], device=device), attention_mask=mask, position_ids=position,
                         use_cache=True, **compat.cache_kwargs(model, cache))
             token = int(out.logits[0, -1].argmax())
-    result = DecodeResult(text=_answer_text(tokenizer, generated, stop_at_newline), prefill_s=prefill_s,
+    result = DecodeResult(text=decoded_answer(tokenizer, generated, stop_at_newline), prefill_s=prefill_s,
                           total_s=time.perf_counter() - start, new_tokens=count, prefill_positions=inputs.kept + q)
     return (result, generated, first_logits) if details else result
 

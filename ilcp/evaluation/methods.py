@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..prompts import cold_read_prompt, question_prompt
+from ..prefix import MemoryLayout, receiver_prefix
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, register_group, register_method
 
 __all__ = ["DEFAULT_METHODS", "ColdRead", "ColdReadTuned", "ILCPMethod", "NoContext", "PromptTuned"]
@@ -30,7 +30,7 @@ class NoContext(HandoffMethod):
         return Sent(handed_over=None, wire_bytes=0)
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
-        return self._prefix([question_prompt(self.lm.tokenizer, row["question"])])
+        return receiver_prefix(self.lm.tokenizer, row["question"]).embeds(self.lm.model)
 
 
 class PromptTuned(HandoffMethod):
@@ -45,7 +45,7 @@ class PromptTuned(HandoffMethod):
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
         soft = self.ctx.run.soft_prompts["prompt_tuned"]
-        return self._prefix([soft, question_prompt(self.lm.tokenizer, row["question"])])
+        return receiver_prefix(self.lm.tokenizer, row["question"], source=MemoryLayout(), memory=soft).embeds(self.lm.model)
 
 
 class ColdRead(HandoffMethod):
@@ -65,10 +65,13 @@ class ColdRead(HandoffMethod):
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
         context = sent.handed_over.decode("utf-8")
-        parts = [cold_read_prompt(self.lm.tokenizer, context, row["question"])]
-        if self.soft_prompt is not None:
-            parts.insert(0, self.ctx.run.soft_prompts[self.soft_prompt])
-        return self._prefix(parts)
+        if self.soft_prompt is None:
+            prefix = receiver_prefix(self.lm.tokenizer, row["question"], context=context)
+        else:
+            prefix = receiver_prefix(self.lm.tokenizer, row["question"], context=context,
+                                     source=MemoryLayout(reads_context_text=True),
+                                     memory=self.ctx.run.soft_prompts[self.soft_prompt])
+        return prefix.embeds(self.lm.model)
 
 
 class ColdReadTuned(ColdRead):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..decoding import DecodeResult, assemble_prefix
+from ..decoding import DecodeResult
 from ..export import ExportedRun
 from ..handoff import ILCPHandoff
 from ..lm import LM
@@ -206,9 +206,6 @@ class HandoffMethod:
         returned, timed as `ilcp.decoding.decode_one` times a prefix. Only called when
         ``decodes_itself``."""
         raise NotImplementedError(f"{self.name} decodes through the shared greedy decoder")
-
-    def _prefix(self, parts: list) -> Tensor:
-        return assemble_prefix(self.lm.model, self.lm.tokenizer, parts)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

@@ -30,10 +30,11 @@ from torch import Tensor
 from .. import export, prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import HandoffConfig, TrainConfig
-from ..decoding import assemble_prefix, greedy_decode, left_pad
+from ..decoding import greedy_decode, left_pad
 from ..encoder import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
+from ..prefix import ReceiverPrefix, receiver_prefix
 from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from ..io import atomic_save_safetensors
@@ -139,11 +140,6 @@ class HandoffModule(L.LightningModule):
         """(memory (B, K, H) in the LM's dtype, mean KL or 0) of a batch."""
         return self.source.memory_for_batch(batch, self.lm.get_input_embeddings().weight.dtype)
 
-    def prompt_text(self, context: str, question: str) -> str:
-        if self.source.reads_context_text:
-            return prompts.cold_read_prompt(self.tokenizer, context, question)
-        return prompts.question_prompt(self.tokenizer, question)
-
     def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
         memory, kl = self.memory(batch)
         sequences, labels = self._answer_sequences(memory, batch, self.source.reads_context_text)
@@ -152,42 +148,29 @@ class HandoffModule(L.LightningModule):
             loss = loss + self.cfg.distill_weight * self._distillation(batch, logits, targets)
         return loss, kl
 
+    def prefix(self, memory: Tensor | None, context: str, question: str, with_context: bool) -> ReceiverPrefix:
+        """One row's receiver prefix (`ilcp.prefix.receiver_prefix`): this source's layout around
+        ``memory`` (K, H), or with ``memory`` None the text alone (the cold read when
+        ``with_context``, the distillation teacher); selection_tuned reads its selected rows in
+        place of the context."""
+        selected = self.selected[(context, question)] if with_context and self.selected is not None else None
+        if memory is None:
+            return receiver_prefix(self.tokenizer, question, context=context if with_context else None,
+                                   prompt_ids=selected)
+        return receiver_prefix(self.tokenizer, question, source=self.source, memory=memory,
+                               context=context if with_context else None, prompt_ids=selected)
+
     def _answer_sequences(self, memory, batch: dict, with_context: bool) -> tuple[list[Tensor], list[Tensor]]:
-        """[memory_i ; prompt ; answer + end token] embeddings and their labels (answer tokens only);
+        """[receiver prefix ; answer + end token] embeddings and their labels (answer tokens only);
         ``memory`` None: no memory vectors."""
-        embed = self.lm.get_input_embeddings()
-        device = embed.weight.device
+        device = self.lm.get_input_embeddings().weight.device
         sequences, labels = [], []
         for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
-            if with_context and self.selected is not None:
-                prompt_ids = self.selected[(context, question)]
-            else:
-                text = (prompts.cold_read_prompt(self.tokenizer, context, question) if with_context
-                        else prompts.question_prompt(self.tokenizer, question))
-                prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prefix = self.prefix(None if memory is None else memory[i], context, question, with_context)
             answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
-            before_ids = []
-            if memory is not None and self.source.placement != "prefix":
-                before, after = prompts.memory_prompt(self.tokenizer, question, self.source.placement)
-                before_ids = self.tokenizer(before, add_special_tokens=False)["input_ids"]
-                prompt_ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
-            rows = embed(torch.tensor(prompt_ids + answer_ids, device=device))
-            n_memory = 0 if memory is None else memory[i].shape[0]
-            parts = [embed(torch.tensor(before_ids, device=device))] if before_ids else []
-            parts += [rows] if memory is None else [memory[i], rows]
-            fmt = self._format_vectors() if memory is not None else None
-            if fmt is not None:
-                parts.insert(0, fmt)
-            n_format = 0 if fmt is None else fmt.shape[0]
-            sequences.append(torch.cat(parts, dim=0))
-            labels.append(torch.tensor([-100] * (n_format + len(before_ids) + n_memory + len(prompt_ids)) + answer_ids,
-                                       device=device))
+            sequences.append(prefix.embeds(self.lm, answer_ids))
+            labels.append(torch.tensor([-100] * len(prefix) + answer_ids, device=device))
         return sequences, labels
-
-    def _format_vectors(self) -> Tensor | None:
-        """The memory source's learned format vectors in the LM's dtype, or None."""
-        fmt = getattr(self.source, "format_prompt", None)
-        return None if fmt is None else fmt.vectors.to(self.lm.get_input_embeddings().weight.dtype)
 
     def _distillation(self, batch: dict, logits: Tensor, targets: Tensor) -> Tensor:
         """KL(teacher || receiver) per answer token, the teacher being the frozen LM reading the
@@ -257,24 +240,11 @@ class HandoffModule(L.LightningModule):
         """Greedy answers of this variant for rows of a batch (default all of them)."""
         rows = list(range(len(batch["question"]))) if rows is None else rows
         memory, _ = self.memory(batch)
-        prefixes = [assemble_prefix(self.lm, self.tokenizer,
-                                    self._prefix_parts(memory[i], batch["context"][i], batch["question"][i]))
+        with_context = self.source.reads_context_text
+        prefixes = [self.prefix(memory[i], batch["context"][i], batch["question"][i], with_context).embeds(self.lm)
                     for i in rows]
         return greedy_decode(self.lm, self.tokenizer, prefixes, max_new_tokens=self.cfg.max_new_tokens,
                              batch_size=self.cfg.batch_size)
-
-    def _prefix_parts(self, memory: Tensor, context: str, question: str) -> list:
-        """The receiver's prefix for one row, as `assemble_prefix` parts: the memory, then the
-        prompt (the selected rows for selection_tuned, the context-reading or question prompt
-        otherwise); with ``in_prompt`` placement, [format vectors ;] the prompt around the memory."""
-        if self.selected is not None:
-            embed = self.lm.get_input_embeddings()
-            return [memory, embed(torch.tensor(self.selected[(context, question)], device=embed.weight.device))]
-        if self.source.placement != "prefix":
-            before, after = prompts.memory_prompt(self.tokenizer, question, self.source.placement)
-            fmt = self._format_vectors()
-            return ([] if fmt is None else [fmt]) + [before, memory, after]
-        return [memory, self.prompt_text(context, question)]
 
     def configure_optimizers(self):
         return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.cfg.max_steps,

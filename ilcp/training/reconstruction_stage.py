@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from .. import export, prompts
+from ..prefix import receiver_prefix
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
 from ..lm import LM
@@ -147,14 +148,13 @@ class ReconstructionModule(HandoffModule):
 
     def _teacher_forced(self, batch, memory=None) -> tuple[Tensor, Tensor]:
         memory, kl = self.memory(batch) if memory is None else memory
-        embed = self.lm.get_input_embeddings()
-        device = embed.weight.device
+        device = self.lm.get_input_embeddings().weight.device
         sequences, labels = [], []
         for i, context in enumerate(batch["context"]):
             target = self.target_ids(context)
-            ids = torch.tensor(self.prompt_ids + target, device=device)
-            sequences.append(torch.cat([memory[i], embed(ids)], dim=0))
-            labels.append(torch.tensor([-100] * (memory[i].shape[0] + len(self.prompt_ids)) + target, device=device))
+            prefix = receiver_prefix(self.tokenizer, None, memory=memory[i], prompt_ids=self.prompt_ids)
+            sequences.append(prefix.embeds(self.lm, target))
+            labels.append(torch.tensor([-100] * len(prefix) + target, device=device))
         return self._loss_on_tail(sequences, labels)[0], kl
 
     def training_step(self, batch, batch_idx):
