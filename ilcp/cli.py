@@ -3,6 +3,10 @@ eval`` (``train.py`` and ``eval.py`` at the repository root call the same functi
 
 Progress goes through `logging` (logger ``ilcp``, one ``[ilcp]`` line per event); Lightning's
 start-up banners and tips are silenced here, in the command lines, never at import time.
+
+Arguments and the config are checked before torch, Lightning, transformers or datasets are
+imported (the functions import them after the checks), so ``--help`` and a mistyped key answer
+at once.
 """
 
 from __future__ import annotations
@@ -17,13 +21,8 @@ from pathlib import Path
 import yaml
 
 from .config import load_config
-from .evaluation import DEFAULT_METHODS, method_groups, method_names
-from .evaluation.report import markdown_report
-from .evaluation.decoders import ENGINES, require_engine
-from .evaluation.run import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT,
-                             DEFAULT_THROUGHPUT_N, evaluate)
-from .lm import LMLoadError
-from .transport import DTYPES
+from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
+                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, method_names, unknown_method)
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
 
@@ -105,8 +104,6 @@ def setup_logging() -> None:
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    from .training import train
-
     parser = argparse.ArgumentParser(prog="ilcp-train", description=TRAIN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (see configs/)")
@@ -122,6 +119,9 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(f"{_yaml_source(args.config, args.overrides)} is not valid YAML: {_yaml_problem(e)}")
     except ValueError as e:
         parser.error(str(e))
+    from .lm import LMLoadError
+    from .training import train
+
     setup_logging()
     created = _first_missing(cfg.run_dir)
     try:
@@ -196,11 +196,13 @@ def build_eval_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
     parser.add_argument("--tasks", type=_csv, default=[],
-                        help="extra tasks, comma-separated: babi:N, facts, or facts-heldout (facts whose values training never used); the training task is always included")
+                        help="extra tasks, comma-separated: babi:N, facts, facts-heldout (facts whose values training never used), or "
+                             "babilong:N:LENGTH (bAbI task N in LENGTH tokens of prose: 0, 0.5k, 1k, 2k, 4k or a number); "
+                             "the training task is always included")
     parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
                         help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
                              f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
-                             f"[:prefix|:tuned]; groups: {', '.join(method_groups())})")
+                             f"[:prefix|:tuned]; groups: {', '.join(METHOD_GROUPS)})")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                         help=f"questions per task, the first of the test split (default {DEFAULT_LIMIT}; 0 = all)")
     parser.add_argument("--latency-n", type=int, default=DEFAULT_LATENCY_N,
@@ -213,7 +215,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--length-n", type=int, default=3, help="requests per length and method (default 3)")
     parser.add_argument("--facts-count-limit", type=int, default=50,
                         help="questions per number of facts in the facts-count sweep of a facts-trained run (default 50)")
-    parser.add_argument("--payload-dtype", default="float32", choices=DTYPES,
+    parser.add_argument("--payload-dtype", default="float32", choices=PAYLOAD_DTYPES,
                         help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
                              "float32 scale)")
     parser.add_argument("--facts-counts", type=_ints, default=list(DEFAULT_FACTS_COUNTS),
@@ -238,17 +240,26 @@ def build_eval_parser() -> argparse.ArgumentParser:
 def eval_main(argv: list[str] | None = None) -> int:
     parser = build_eval_parser()
     args = parser.parse_args(argv)
-    try:
-        require_engine(args.engine)
-    except ImportError as e:  # one line, not vLLM's traceback: which interpreter to use
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    for name in args.methods:
+        problem = unknown_method(name)
+        if problem:
+            parser.error(problem)
     ckpt = Path(args.ckpt)
     if not ckpt.is_dir():
         parser.error(f"--ckpt {args.ckpt!r} is not a directory: pass a run folder written by train.py")
     out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file: pass a folder for the results")
+    from .evaluation.decoders import require_engine
+    from .evaluation.report import markdown_report
+    from .evaluation.run import evaluate
+    from .lm import LMLoadError
+
+    try:
+        require_engine(args.engine)
+    except ImportError as e:  # one line, not vLLM's traceback: which interpreter to use
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     if args.device is not None:
         import torch
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .encoder import POOLING_KINDS as POOLINGS
-from .encoder import SNAP_METRICS, VOCABULARY_SNAPS
+from .names import DEFAULT_LM, SNAP_METRICS, VOCABULARY_SNAPS
+from .names import POOLING_KINDS as POOLINGS
 from .prompts import MEMORY_PLACEMENTS
-from .lm import DEFAULT_LM
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
@@ -344,9 +344,9 @@ def from_dict(cls, data: dict, prefix: str = ""):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise ValueError(f"unknown config field(s) {[prefix + u for u in unknown]}; known: {[prefix + k for k in fields]}")
+        raise ValueError(_unknown_fields(data, unknown, list(fields), prefix))
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -358,6 +358,39 @@ def from_dict(cls, data: dict, prefix: str = ""):
         return cls(**kwargs)
     except ValueError as e:
         raise ValueError(str(e)) from None
+
+
+def _unknown_fields(data: dict, unknown: list, known: list[str], prefix: str) -> str:
+    """One line naming the unknown keys of a section, each with the closest valid key: a close
+    spelling in the same section, else a key of that name in another section."""
+    def suggestion(name: str) -> str | None:
+        close = get_close_matches(name, known, n=1)
+        if close:
+            return prefix + close[0]
+        elsewhere = [path for path in _field_paths(TrainConfig) if path.rsplit(".", 1)[-1] == name]
+        return " or ".join(filter(None, [", ".join(elsewhere[:-1]), *elsewhere[-1:]])) or None
+
+    suggested = {name: suggestion(str(name)) for name in unknown}
+    listing = f"known: {', '.join(prefix + k for k in known)}"
+    if len(unknown) == 1:
+        name, = unknown
+        kind = "section" if isinstance(data[name], dict) else "field"
+        hint = f"did you mean {suggested[name]}?" if suggested[name] else listing
+        return f"unknown config {kind} {prefix}{name}; {hint}"
+    names = ", ".join(f"{prefix}{name}" + (f" (did you mean {suggested[name]}?)" if suggested[name] else "")
+                      for name in unknown)
+    return f"unknown config fields {names}" + ("" if all(suggested.values()) else f"; {listing}")
+
+
+def _field_paths(cls, prefix: str = "") -> list[str]:
+    """Every ``section.key`` (and top-level key) of dataclass `cls`."""
+    paths = []
+    for name, hint in get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            paths += _field_paths(hint, f"{prefix}{name}.")
+        else:
+            paths.append(f"{prefix}{name}")
+    return paths
 
 
 def _coerce(value, hint, name: str):

@@ -31,12 +31,10 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
+from .names import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS  # noqa: F401  (ilcp.export reads POOLING_KINDS here)
 from .pooling import AttentionPooler, ConcatPooler, masked_mean_pool
 from .projector import GatedLatentToMemoryProjector
 
-POOLING_KINDS = ("mean", "attention", "concat")
-VOCABULARY_SNAPS = ("none", "soft", "hard")
-SNAP_METRICS = ("cosine", "dot")  # how a snap scores the embedding rows (and the token loss its logits)
 Pooler = AttentionPooler | ConcatPooler
 
 

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-DEFAULT_LM = "smollm2-135m-instruct"
+from .names import DEFAULT_LM
+
 TINY_LM = "tiny-qwen3"
 CACHE_ENV = "ILCP_CACHE"
 

@@ -20,6 +20,7 @@ line, as exact match compares them) are identical.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -36,6 +37,7 @@ from ..decoding import greedy_decode
 from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, create_engine, model_directory, require_vllm
 from ..lm import LM
 from ..metrics import first_line, normalize_answer
+from ..names import ENGINES
 from .registry import HandoffMethod
 from .report import accuracy_summary, wilson_interval
 
@@ -51,7 +53,6 @@ __all__ = [
     "vllm_unavailable",
 ]
 
-ENGINES = ("hf", "vllm")
 MAX_MODEL_LEN = 4096  # the engine's context (capped by the model's); longer prefixes are unavailable
 THROUGHPUT_METHODS = ("ilcp", "cold_read")
 DISAGREEMENTS_KEPT = 5
@@ -78,15 +79,31 @@ def require_engine(engine: str) -> str:
     return engine
 
 
-def _vllm_folders(folder: Path) -> None:
-    """vLLM's cache, config and temporary files go under ``folder`` (for the rest of the process:
-    an in-process engine keeps using them)."""
+@contextlib.contextmanager
+def _vllm_environment(folder: Path):
+    """vLLM's cache, config and temporary files under ``folder``, an in-process engine core, no
+    usage reports and no hub, while an engine starts; the process's own settings are put back
+    afterwards."""
     for name in ("cache", "config", "tmp"):
         (folder / name).mkdir(parents=True, exist_ok=True)
-    os.environ["VLLM_CACHE_ROOT"] = str(folder / "cache")
-    os.environ["VLLM_CONFIG_ROOT"] = str(folder / "config")
-    os.environ["TMPDIR"] = str(folder / "tmp")
-    tempfile.tempdir = str(folder / "tmp")
+    settings = {"VLLM_CACHE_ROOT": str(folder / "cache"), "VLLM_CONFIG_ROOT": str(folder / "config"),
+                "TMPDIR": str(folder / "tmp")}
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1"}
+    settings.update({k: v for k, v in defaults.items() if k not in os.environ})
+    saved = {k: os.environ.get(k) for k in settings}
+    saved_tempdir = tempfile.tempdir
+    os.environ.update(settings)
+    tempfile.tempdir = settings["TMPDIR"]
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        tempfile.tempdir = saved_tempdir
 
 
 # In-process engines share vLLM's process-wide parallel state, and an engine that is garbage
@@ -117,11 +134,6 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
     say = log or (lambda message: None)
     require_vllm()
     folder = Path(folder)
-    _vllm_folders(folder)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         directory = model_directory(lm)
     except ValueError:
@@ -138,7 +150,9 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     states = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
     try:
-        llm = create_engine(directory, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len)
+        with _vllm_environment(folder):
+            llm = create_engine(directory, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes,
+                                max_model_len=max_model_len)
     except ImportError:
         raise
     except Exception as e:  # vLLM's reasons come as many exception types

@@ -12,12 +12,11 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from ..names import DEFAULT_METHODS
 from ..prefix import MemoryLayout, receiver_prefix
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, register_group, register_method
 
 __all__ = ["DEFAULT_METHODS", "ColdRead", "ColdReadTuned", "ILCPMethod", "NoContext", "PromptTuned"]
-
-DEFAULT_METHODS = ("no_context", "prompt_tuned", "cold_read", "cold_read_tuned", "ilcp")
 
 
 class NoContext(HandoffMethod):

@@ -43,21 +43,18 @@ from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
+from ..babilong import is_babilong_name, length_label, load_babilong, parse_babilong_name
 from ..tasks import babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, make_facts
 from ..io import atomic_write_text
 from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, require_vllm
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
+from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N
 from .methods import DEFAULT_METHODS
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import accuracy_summary, latency_summary, write_report
 
 __all__ = ["DEFAULT_LIMIT", "DEFAULT_THROUGHPUT_N", "TaskSpec", "evaluate", "parse_task", "time_request"]
 
-DEFAULT_LIMIT = 200
-DEFAULT_LATENCY_N = 20
-DEFAULT_LENGTHS = (64, 256, 1024, 2048)
-DEFAULT_FACTS_COUNTS = (1, 2, 4, 8, 16)
-DEFAULT_THROUGHPUT_N = 64
 LENGTH_METHODS = ("no_context", "cold_read", "ilcp")
 FACTS_COUNT_METHODS = ("ilcp", "prompt_tuned", "cold_read_tuned")
 FACTS_TEST_SIZE = 1000  # questions in the facts task's test split (bAbI en test files hold 1,000)
@@ -68,11 +65,13 @@ _BABI = re.compile(r"babi[-:_]?(?:qa)?(\d+)\Z", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task to evaluate: ``name`` as reported ("babi:N" or "facts") and how to load it."""
+    """A task to evaluate: ``name`` as reported ("babi:N", "facts" or "babilong:N:2k") and how to
+    load it."""
 
     name: str
     babi_number: int | None = None
     value_split: str | None = None  # facts: "heldout" asks only values that training never used
+    length: int | None = None  # babilong: context tokens of the LM (`ilcp.babilong`)
 
     @property
     def is_facts(self) -> bool:
@@ -80,9 +79,10 @@ class TaskSpec:
 
 
 def parse_task(name: str) -> TaskSpec:
-    """"babi:N" (also "babi-qaN", "qaN"), "facts", or "facts-heldout" (the facts test split whose
-    values are all held out of training: see `ilcp.tasks.make_facts`); ValueError for anything
-    else, or for a bAbI task without an ``en`` test file."""
+    """"babi:N" (also "babi-qaN", "qaN"), "facts", "facts-heldout" (the facts test split whose
+    values are all held out of training: see `ilcp.tasks.make_facts`), or "babilong:N:LENGTH"
+    (`ilcp.babilong`); ValueError for anything else, or for a bAbI task without an ``en`` test
+    file."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"task must be a non-empty string, got {name!r}")
     text = name.strip()
@@ -90,9 +90,17 @@ def parse_task(name: str) -> TaskSpec:
         return TaskSpec("facts")
     if text == "facts-heldout":
         return TaskSpec("facts-heldout", value_split="heldout")
+    if is_babilong_name(text):
+        task = parse_babilong_name(text)  # its ValueError names the task
+        try:
+            babi_file(task.number, "test", variant="en")
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"task {name!r}: {e}") from None
+        return TaskSpec(f"babilong:{task.number}:{length_label(task.length)}", task.number, length=task.length)
     match = _BABI.match(text) or re.fullmatch(r"qa(\d+)", text, re.IGNORECASE)
     if not match or int(match.group(1)) < 1:
-        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number), 'facts' or 'facts-heldout'")
+        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number), 'facts', 'facts-heldout' "
+                         "or 'babilong:N:LENGTH' (e.g. babilong:1:2k)")
     number = int(match.group(1))
     try:
         babi_file(number, "test", variant="en")
@@ -101,9 +109,11 @@ def parse_task(name: str) -> TaskSpec:
     return TaskSpec(f"babi:{number}", number)
 
 
-def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None) -> tuple[list[dict], int, str]:
+def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None,
+               tokenizer=None) -> tuple[list[dict], int, str]:
     """(rows, questions available, a description of the source) for a task's test split; the facts
-    task is built with the run's ``facts_settings`` (`_facts_settings`)."""
+    task is built with the run's ``facts_settings`` (`_facts_settings`), a babilong task with
+    ``tokenizer`` (the LM's) and seed 0."""
     if spec.is_facts:
         n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
         settings = dict(facts_settings)
@@ -117,6 +127,9 @@ def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None) -
     rows = load_babi(spec.babi_number, "test", variant="en").to_list()
     available = len(rows)
     desc = f"bAbI en test file {babi_file(spec.babi_number, 'test', variant='en').name}"
+    if spec.length is not None:
+        rows = load_babilong(spec.name, "test", tokenizer=tokenizer, variant="en", limit=limit).to_list()
+        desc += f" in {spec.length}-token contexts of test background (ilcp.babilong, seed 0)"
     return (rows if limit is None else rows[:limit]), available, desc
 
 
@@ -464,7 +477,7 @@ def evaluate(
     predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
 
     for spec in task_specs:
-        rows, available, source = _task_rows(spec, limit, facts_settings)
+        rows, available, source = _task_rows(spec, limit, facts_settings, lm.tokenizer)
         seen = spec.name in trained_on
         say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
             f"questions, {len(bound)} methods")
@@ -499,7 +512,7 @@ def evaluate(
         spec = task_specs[0]
         tp_methods = [m for m in bound if m.name in THROUGHPUT_METHODS]
         if tp_methods:
-            tp_rows = _task_rows(spec, throughput_n, facts_settings)[0]
+            tp_rows = _task_rows(spec, throughput_n, facts_settings, lm.tokenizer)[0]
             say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in tp_methods)}, {len(tp_rows)} "
                 f"questions, batches {throughput_batches}" + (", HF and vLLM" if vllm is not None else ", HF"))
             results["throughput"] = {"task": spec.name, **receiver_throughput(
