@@ -20,26 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-_FLOAT_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-}
-
-
-def latent_payload_bytes(latent_dim: int, dtype: str | torch.dtype = torch.float32) -> int:
-    """Bytes of one latent vector of `latent_dim` floats in `dtype` (32 x float32 -> 128).
-
-    Raises ValueError for a non-float dtype or a non-positive width.
-    """
-    if isinstance(dtype, str):
-        if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"latent dtype must be one of {sorted(_FLOAT_DTYPES)}, got {dtype!r}")
-        dtype = _FLOAT_DTYPES[dtype]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"latent dtype must be a floating-point dtype, got {dtype}")
-    if int(latent_dim) < 1:
-        raise ValueError(f"latent_dim must be >= 1, got {latent_dim}")
-    return int(latent_dim) * torch.empty((), dtype=dtype).element_size()
-
 
 def kl_divergence(mu: Tensor, logvar: Tensor) -> Tensor:
     """KL(N(mu, exp(logvar)) || N(0, I)) per row, closed form: (B, Z) -> (B,)."""

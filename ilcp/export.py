@@ -139,11 +139,6 @@ def load_trained_state(source: MemorySource, state: dict[str, Tensor], *, origin
         source.soft_prompt.data.copy_(load_soft_prompt(state, source=origin))
 
 
-def has_encoder_layout(state: dict[str, Tensor]) -> bool:
-    """Whether a stage file uses this package's export names (earlier versions did not)."""
-    return any(k.startswith("compressor.") for k in state)
-
-
 # --------------------------------------------------------------------------------------------
 # writing
 
@@ -286,9 +281,8 @@ def _check_save_target(path: Path) -> None:
 
 
 def pooling_kind(config: dict) -> str:
-    """The export's pooling kind, "mean", "attention" or "concat" (exports of 0.1 said "masked_mean")."""
+    """The export's pooling kind, "mean", "attention" or "concat"."""
     kind = config.get("pooling", {}).get("kind", "mean")
-    kind = "mean" if kind == "masked_mean" else kind
     if kind not in POOLING_KINDS:
         raise ExportError(f"unknown pooling kind {kind!r} in config.json (this package reads {', '.join(POOLING_KINDS)})")
     return kind

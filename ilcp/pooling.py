@@ -169,19 +169,6 @@ def layer_states(outputs, layers: Sequence[int] = (-1,)) -> Tensor:
     return torch.cat([hidden[i] for i in layers], dim=-1)
 
 
-def pool_from_outputs(outputs, attention_mask: Tensor, layers: Sequence[int] = (-1,),
-                      pooler: AttentionPooler | None = None) -> Tensor:
-    """Pool from a forward the sender already ran with ``output_hidden_states=True``.
-
-    Returns (B, H * len(layers)): the masked means of the chosen layers, concatenated; or, with a
-    ``pooler``, its output over the concatenated layers (B, Q * H * len(layers)).
-    """
-    states = layer_states(outputs, layers)
-    if pooler is not None:
-        return pooler(states, attention_mask)
-    return masked_mean_pool(states, attention_mask)
-
-
 class TokenStates:
     """Token states of N contexts of different lengths, stored flat.
 

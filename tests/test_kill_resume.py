@@ -1,8 +1,9 @@
 """A run killed (SIGKILL) at any stage boundary and started again with --resume: the stages done
 before the kill are loaded, not trained again, with their metrics and logs untouched; the run
 finishes with a complete, loadable export equal to an uninterrupted run's, and leaves no
-temporary file. The kill comes from the testing hook ``ILCP_TEST_KILL_AFTER=STAGE``
-(`ilcp.training.pipeline`). The tiny config with a reconstruction stage has every boundary."""
+temporary file. The kill comes from `train`'s ``on_stage_done`` hook, in a driver process that
+SIGKILLs itself once the stage is done. The tiny config with a reconstruction stage has every
+boundary."""
 
 import json
 import os
@@ -32,13 +33,29 @@ TRAINED = {"data": "computed in", "compressor": "stage 1 (compressor): 2", "reco
            **{v: f"stage 2 ({v}): 1" for v in VARIANTS}}  # the parameter counts start with 1 or 2
 
 
+# train.py's run, but the process kills itself once stage argv[1] is done, as a crash there would
+KILLING_DRIVER = """
+import os, signal, sys
+from ilcp.cli import setup_logging
+from ilcp.config import load_config
+from ilcp.training import train
+
+def kill_after(name):
+    if name == sys.argv[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+setup_logging()
+train(load_config(sys.argv[2], sys.argv[3:]), on_stage_done=kill_after)
+"""
+
+
 def _train_py(out: Path, *extra: str, kill_after: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ILCP_CACHE": str(out / "cache")}
-    env.pop("ILCP_TEST_KILL_AFTER", None)
+    settings = [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *SETTINGS, *extra]
     if kill_after:
-        env["ILCP_TEST_KILL_AFTER"] = kill_after
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(TINY), f"out_dir={out}",
-           f"lm.cache_dir={out / 'cache'}", *SETTINGS, *extra]
+        cmd = [sys.executable, "-c", KILLING_DRIVER, kill_after, str(TINY), *settings]
+    else:
+        cmd = [sys.executable, str(REPO / "train.py"), "--config", str(TINY), *settings]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

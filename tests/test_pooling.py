@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ilcp import pooling
-from ilcp.pooling import cached_pooled_states, masked_mean_pool, pool_from_outputs, pooled_states
+from ilcp.pooling import cached_pooled_states, layer_states, masked_mean_pool, pooled_states
 
 TEXTS = ["John travelled to the hallway.",
          "Mary journeyed to the bathroom. Daniel went back to the bathroom. John moved to the bedroom.",
@@ -46,7 +46,7 @@ def test_pooled_equals_a_direct_forward_mean(tiny_lm):
         out = tiny_lm.model(ids, output_hidden_states=True)
     expected = out.hidden_states[-1].mean(dim=1)[0]
     torch.testing.assert_close(pooled_states(tiny_lm, [TEXTS[1]], progress=False)[0], expected, rtol=1e-5, atol=1e-5)
-    from_outputs = pool_from_outputs(out, torch.ones_like(ids), layers=(-1, 0))
+    from_outputs = masked_mean_pool(layer_states(out, (-1, 0)), torch.ones_like(ids))
     assert from_outputs.shape == (1, 2 * tiny_lm.hidden_size)
     torch.testing.assert_close(from_outputs[0, : tiny_lm.hidden_size], expected)
 

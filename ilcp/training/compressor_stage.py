@@ -173,9 +173,6 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
                           chunk_tokens=c.chunk_tokens)
     if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         state = load_file(str(done))
-        if not export.has_encoder_layout(state):
-            raise ValueError(f"{done} was written by an older version of this package: train the run again "
-                             "with --overwrite")
         export.load_encoder_state(encoder, state, source=str(done))
         say("stage 1 (compressor): finished earlier, loaded")
         return encoder, json.loads((stage_dir / "metrics.json").read_text())

@@ -11,16 +11,16 @@
 Each stage keeps a ``last.ckpt`` and writes its trained tensors when done; ``resume=True`` skips
 finished stages and continues the unfinished one. With several devices every rank runs `train`;
 rank 0 alone prepares the run directory and writes files (`ilcp.training.distributed`).
-``ILCP_TEST_KILL_AFTER=STAGE`` is a testing hook: the process SIGKILLs itself once STAGE is done.
+Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loading it), data
+(task rows and the sender's states), compressor, reconstruct, every variant, export); ``on_stage_done(name)`` is called after each.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +45,12 @@ class TrainResult:
     sources: dict  # variant -> trained memory source (best validation weights)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm: LM | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm: LM | None = None,
+          on_stage_done: Callable[[str], None] | None = None) -> TrainResult:
     """Run both stages for every configured variant and export to ``cfg.run_dir``.
+
+    ``on_stage_done(name)`` is called once a stage (lm, data, compressor, reconstruct, a variant,
+    export) is done and saved, before the next begins.
 
     With several devices (``trainer.devices``, ``trainer.num_nodes``) this runs in every rank:
     the command that was run is rank 0 and starts the others, which run the same command (see
@@ -63,7 +67,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         _prepare_run_dir(cfg, resume, overwrite)
     procs.launch()
     try:
-        result = _train(cfg, resume, lm, procs)
+        result = _train(cfg, resume, lm, procs, StageClock(on_stage_done))
     except BaseException:
         procs.abort()
         raise
@@ -94,39 +98,63 @@ def _prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     save_config(cfg, run_dir / "train_config.yaml")
 
 
-def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes) -> TrainResult:
+class StageClock:
+    """Wall seconds of each stage of a run, in order, and the caller's hook after each."""
+
+    def __init__(self, on_done: Callable[[str], None] | None = None):
+        self.seconds: dict[str, float] = {}
+        self._on_done = on_done
+        self._start = self._last = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 1)
+        self._last = now
+        if self._on_done is not None:
+            self._on_done(name)
+
+    @property
+    def total(self) -> float:
+        return round(time.perf_counter() - self._start, 1)
+
+
+def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, clock: StageClock) -> TrainResult:
     run_dir = cfg.run_dir
-    t_start = time.perf_counter()
     # rank 0 first: it converts the LM and extracts the sender states into the caches the others read
     with procs.main_first():
         if lm is None:
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
+        clock.done("lm")
         if cfg.handoff.format_from not in ("", "cold_read_tuned"):
             format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage
         train_rows, val_rows = prepare_data(cfg, lm)
-    _stage_done("data")
+    clock.done("data")
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
     if "ilcp" in cfg.handoff.variants:
         encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
-        _stage_done("compressor")
+        clock.done("compressor")
         if cfg.reconstruct.enabled:
             reconstruct_metrics = train_reconstruction(cfg, lm, encoder, train_rows, val_rows, resume)
-            _stage_done("reconstruct")
+            clock.done("reconstruct")
     data = HandoffDataModule(train_rows, val_rows, cfg.handoff.batch_size, cfg.trainer.seed)
     sources, variant_metrics = {}, {}
     for variant in training_order(cfg):
         sources[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, encoder, resume, sources)
         say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
-        _stage_done(variant)
+        clock.done(variant)
     metrics = {
         "compressor": compressor_metrics, "reconstruct": reconstruct_metrics, "variants": variant_metrics,
-        "total_seconds": round(time.perf_counter() - t_start, 1),
-        "train_rows": len(train_rows), "val_rows": len(val_rows),
+        "train_rows": len(train_rows), "val_rows": len(val_rows), "stage_seconds": clock.seconds,
+        "total_seconds": clock.total,
     }
     if is_main():
         export.export_run(cfg, lm, sources, metrics)
-    say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total")
+        clock.done("export")
+        metrics["total_seconds"] = clock.total
+        atomic_write_json(run_dir / "metrics.json", metrics)  # not among the export's digests
+    times = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in clock.seconds.items())
+    say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total ({times})")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
 
 
@@ -138,13 +166,6 @@ def training_order(cfg: TrainConfig) -> list[str]:
         order.remove(cfg.handoff.format_from)
         order.insert(0, cfg.handoff.format_from)
     return order
-
-
-def _stage_done(name: str) -> None:
-    """Testing hook: with ``ILCP_TEST_KILL_AFTER=NAME`` the process kills itself (SIGKILL) once stage
-    NAME (data, compressor, reconstruct, or a variant) is done, as a crash there would."""
-    if os.environ.get("ILCP_TEST_KILL_AFTER") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # settings a resumed run may change: they do not change what it trains

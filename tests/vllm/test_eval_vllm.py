@@ -121,6 +121,15 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
     for key in ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TMPDIR"):
         monkeypatch.setenv(key, os.environ.get(key, ""))
     monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    environment, tempdir = dict(os.environ), tempfile.tempdir
+    seen = []
+    real_create_engine = decoders.create_engine
+
+    def create_engine(*args, **kwargs):  # what the engine sees while it starts
+        seen.append((os.environ["VLLM_CACHE_ROOT"], os.environ["TMPDIR"], tempfile.gettempdir()))
+        return real_create_engine(*args, **kwargs)
+
+    monkeypatch.setattr(decoders, "create_engine", create_engine)
     started = []
 
     def start_vllm(*args, **kwargs):  # the engine start leaves threads and random state as they were
@@ -138,8 +147,12 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
                       "--out", str(out), "--no-progress"])
     assert code == 0
     assert started == [(1, True, True)], "starting the engine must leave torch's threads and random state alone"
-    assert os.environ["VLLM_CACHE_ROOT"] == str(out / "vllm" / "cache")
-    assert tempfile.gettempdir() == str(out / "vllm" / "tmp")
+    folder = out / "vllm"
+    if seen:  # an engine on the same model and settings started earlier in the session is reused
+        assert seen == [(str(folder / "cache"), str(folder / "tmp"), str(folder / "tmp"))]
+        assert all((folder / name).is_dir() for name in ("cache", "config", "tmp"))
+    # the process's own environment is put back once the engine has started
+    assert dict(os.environ) == environment and tempfile.tempdir == tempdir
     saved = json.loads((out / "results.json").read_text())
     assert saved["settings"]["engine"] == "vllm"
     assert saved["tasks"]["babi:1"]["methods"]["ilcp"]["vllm"]["agreement"] >= 0.98
