@@ -22,7 +22,8 @@ import yaml
 
 from .config import load_config
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
-                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, method_names, unknown_method)
+                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, PRECISIONS, method_names,
+                    unknown_method)
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
 
@@ -218,6 +219,9 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--payload-dtype", default="float32", choices=PAYLOAD_DTYPES,
                         help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
                              "float32 scale)")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS,
+                        help="compute precision of the LM's forwards: 32-true, bf16-mixed (bfloat16 autocast) or auto "
+                             "(bf16-mixed where the CPU or GPU computes bfloat16 natively); default: the run's own")
     parser.add_argument("--facts-counts", type=_ints, default=list(DEFAULT_FACTS_COUNTS),
                         help="numbers of facts of the facts-count sweep of a facts-trained run (default "
                              f"{','.join(map(str, DEFAULT_FACTS_COUNTS))}; empty string = no sweep)")
@@ -279,6 +283,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
             log=log, facts_counts=args.facts_counts, engine=args.engine, throughput_batches=args.throughput_batches,
             throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+            precision=args.precision,
         )
     except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)
         parser.error(str(e))

@@ -18,7 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .names import DEFAULT_LM, SNAP_METRICS, VOCABULARY_SNAPS
+from .names import DEFAULT_LM, PRECISIONS, SNAP_METRICS, VOCABULARY_SNAPS
 from .names import POOLING_KINDS as POOLINGS
 from .prompts import MEMORY_PLACEMENTS
 
@@ -46,7 +46,8 @@ class LMConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("babi:1", "training task: 'babi:N' or 'facts'")
+    task: str = _f("babi:1", "training task: 'babi:N', 'facts' or 'babilong:N:LENGTH' (bAbI task N spread through "
+                             "background prose to LENGTH tokens of the LM: 0, 0.5k, 1k, 2k, 4k or a number)")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
     val_size: int = _f(256, "validation rows for the teacher-forced loss")
@@ -62,8 +63,15 @@ class DataConfig:
     seed: int = _f(0, "seed of the validation split and of procedural tasks")
 
     def __post_init__(self):
-        if not (self.task == "facts" or self.task.startswith("babi:")):
-            raise ValueError(f"data.task must be 'babi:N' or 'facts', got {self.task!r}")
+        if self.task.startswith("babilong"):
+            from .babilong import parse_babilong_name  # the standard library only
+
+            try:
+                parse_babilong_name(self.task)
+            except ValueError as e:
+                raise ValueError(f"data.task: {e}") from None
+        elif not (self.task == "facts" or self.task.startswith("babi:")):
+            raise ValueError(f"data.task must be 'babi:N', 'facts' or 'babilong:N:LENGTH', got {self.task!r}")
         if self.babi_variant not in {"en", "en-10k"}:
             raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
         for name in ("train_size", "val_size", "val_decode_size", "max_length", "pool_batch_size", "facts_n_facts"):
@@ -250,13 +258,18 @@ class TrainerConfig:
     num_nodes: int = _f(1, "Lightning num_nodes")
     strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ... (ranks start as processes that re-run the "
                                "command: spawn and fork strategies are refused)")
-    precision: str = _f("32-true", "Lightning precision: 32-true, bf16-mixed, bf16-true, ...")
+    precision: str = _f("32-true", "compute precision of every forward through the LM, in training, state "
+                                   "extraction, evaluation and ILCPHandoff: 32-true, bf16-mixed (bfloat16 "
+                                   "autocast; weights, exports and payloads stay float32) or auto (bf16-mixed "
+                                   "where the CPU or GPU computes bfloat16 natively)")
     seed: int = _f(0, "global seed for initialisation and batch order")
     progress: bool = _f(True, "show progress bars")
 
     def __post_init__(self):
         if self.num_nodes < 1:
             raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if any(word in str(self.strategy) for word in ("spawn", "fork", "notebook")):
             raise ValueError(f"trainer.strategy={self.strategy!r} is not supported: the ranks of a run start as "
                              "processes that re-run the training command; use ddp (or fsdp)")
@@ -297,8 +310,9 @@ class TrainConfig:
                 self.compressor.chunk_tokens > 0 and self.handoff.num_memory_tokens == self.compressor.chunk_tokens):
             raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk as its j-th token: "
                              "they need compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
-        if "bf16" in self.trainer.precision and self.lm.dtype == "float16":
-            raise ValueError("trainer.precision bf16 with lm.dtype float16: pick one half-precision type")
+        if self.trainer.precision != "32-true" and self.lm.dtype == "float16":
+            raise ValueError(f"trainer.precision {self.trainer.precision} with lm.dtype float16: pick one "
+                             "half-precision type")
 
     @property
     def run_dir(self) -> Path:

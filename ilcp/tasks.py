@@ -1,7 +1,7 @@
 """Handoff tasks as `datasets.Dataset` rows with the columns ``TASK_COLUMNS``:
 ``id``, ``task``, ``context``, ``question``, ``answer`` (all strings).
 
-Two sources:
+Two sources, and one built from bAbI:
 
 - bAbI (Weston et al. 2015, CC BY 3.0), read from files in the original format
   (``ID text`` lines; ``ID question<TAB>answer<TAB>supporting ids`` for questions; a story restarts
@@ -28,6 +28,9 @@ Two sources:
   The default ``value_split=None`` is the original generator, row for row (it may repeat rows
   when its small space is exhausted, e.g. ``n_facts=1`` and many rows). `facts_contexts` gives
   unlabelled contexts of either value split for reconstruction pretraining.
+- ``babilong:<task>:<length>`` (`ilcp.babilong`): the rows of bAbI task ``<task>``, each story's
+  sentences spread, in order, through public-domain prose until the context is ``<length>``
+  tokens of the LM's tokenizer (``0``, ``0.5k``, ``1k``, ``2k``, ``4k`` or a number of tokens).
 
     from ilcp.tasks import load_task, task_config_key
     test = load_task("babi-qa1", "test", limit=100)
@@ -38,6 +41,7 @@ Two sources:
     train = load_task("facts", "train", n_examples=50_000, value_split="train")
     unseen = load_task("facts", "test", n_examples=1000, value_split="heldout")
     key = task_config_key("babi-qa1", "test")            # JSON-serialisable; part of a cache key
+    long = load_task("babilong:1:2k", "test", tokenizer=lm.tokenizer)  # see ilcp.babilong
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ from typing import NamedTuple
 
 import datasets
 
+from .babilong import (
+    GENERATOR_VERSION,
+    BabilongTask,
+    background_key,
+    babilong_context,
+    is_babilong_name,
+    parse_babilong_name,
+    story_sentences,
+    tokenizer_key,
+)
 from .checks import positive_int
 
 TASK_COLUMNS = ("id", "task", "context", "question", "answer")
@@ -720,6 +734,67 @@ def facts_for_length(target_tokens: int, tokenizer=None, *, n_facts: int = 4) ->
     return {"n_facts": n_facts, "n_distractors": probe}
 
 
+# ------------------------------------------------------------------------------------- BABILong
+
+def _babi(task: BabilongTask, name: str, split: str, variant: str, data_dir):
+    """The bAbI file of a BABILong task's split; ValueError (not FileNotFoundError) without one."""
+    try:
+        return babi_file(task.number, split, variant=variant, data_dir=data_dir)
+    except FileNotFoundError as e:
+        raise ValueError(f"BABILong task {name!r}: {e}") from None
+
+
+def load_babilong(name: str, split: str, *, tokenizer=None, variant: str = "en",
+                  data_dir: str | os.PathLike | None = None, limit: int | None = None,
+                  validation_fraction: float = 0.1, seed: int = 0,
+                  background_dir: str | os.PathLike | None = None):
+    """Rows (a `datasets.Dataset` with ``ilcp.tasks.TASK_COLUMNS``) of ``"babilong:<task>:<length>"``.
+
+    The rows of `ilcp.tasks.load_babi` for the same arguments (so the validation split is carved
+    from the train file by whole stories, and ``limit`` keeps the first N), each context rebuilt
+    by `babilong_context` with the split's background and the seed ``"<seed>/<bAbI row id>"``.
+    Row ids: ``babilong-qa{N}-{length}`` followed by the bAbI id's tail (``-test-s0-q0``).
+    """
+    task = parse_babilong_name(name)
+    if task.length > 0 and tokenizer is None:
+        raise ValueError(f"BABILong task {name!r} counts its length in the LM's tokens: pass "
+                         "tokenizer= (the LM's tokenizer)")
+    _babi(task, name, split, variant, data_dir)
+    rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
+                     validation_fraction=validation_fraction, seed=seed).to_list()
+    babi_prefix = f"babi-qa{task.number}"
+    for row in rows:
+        row["context"] = babilong_context(story_sentences(row["context"]), task.length, tokenizer,
+                                          split=split, seed=f"{seed}/{row['id']}",
+                                          background_dir=background_dir)
+        row["id"] = task.name + row["id"][len(babi_prefix):]
+        row["task"] = task.name
+    return _to_dataset(rows)
+
+
+def babilong_config_key(name: str, split: str, *, tokenizer=None, variant: str = "en",
+                        data_dir: str | os.PathLike | None = None, limit: int | None = None,
+                        validation_fraction: float = 0.1, seed: int = 0,
+                        background_dir: str | os.PathLike | None = None) -> dict:
+    """What `load_babilong` builds for these arguments, JSON-serialisable: the canonical task,
+    its settings, the bAbI file and its hash, the background files and their hash, the
+    tokenizer (`tokenizer_key`; None for length 0) and ``GENERATOR_VERSION``."""
+    task = parse_babilong_name(name)
+    _check_split(split)
+    if task.length > 0 and tokenizer is None:
+        raise ValueError(f"BABILong task {name!r} counts its length in the LM's tokens: pass "
+                         "tokenizer= (the LM's tokenizer)")
+    source, sha256 = _source_key(_babi(task, name, split, variant, data_dir))
+    key = {"task": task.name, "split": split, "length_tokens": task.length, "variant": variant,
+           "limit": limit, "validation_fraction": validation_fraction, "seed": seed,
+           "source": source, "source_sha256": sha256, **background_key(background_dir),
+           "tokenizer": tokenizer_key(tokenizer) if task.length > 0 else None,
+           "generator_version": GENERATOR_VERSION}
+    if split == "test":  # the validation carve does not touch the test file
+        del key["validation_fraction"]
+    return key
+
+
 # ------------------------------------------------------------------------------------- registry
 
 _BABI_NAME = re.compile(r"babi[-:_](?:qa)?\d+(?:\+(?:babi[-:_]?)?(?:qa)?\d+)*\Z", re.IGNORECASE)
@@ -731,12 +806,15 @@ def _builder(name):
         numbers = babi_task_numbers(name)
     elif isinstance(name, str) and name == "facts":
         return "facts", make_facts, None
+    elif is_babilong_name(name):
+        task = parse_babilong_name(name)
+        return task.name, load_babilong, (task.number,)
     elif isinstance(name, str) and _BABI_NAME.match(name.strip()):
         numbers = babi_task_numbers(name.strip())
     else:
         raise ValueError(f"unknown task {name!r}; available: 'facts', 'babi-qaN' or 'babi:N' (N a "
-                         "bAbI task number with a file under the bAbI data directory), or a mix "
-                         "such as 'babi:1+2+3'")
+                         "bAbI task number with a file under the bAbI data directory), a mix "
+                         "such as 'babi:1+2+3', or 'babilong:N:LENGTH' such as 'babilong:1:2k'")
     if len(numbers) == 1:
         return f"babi-qa{numbers[0]}", load_babi, numbers
     return "babi-qa" + "+qa".join(map(str, numbers)), load_babi_mix, numbers
@@ -745,8 +823,11 @@ def _builder(name):
 def load_task(name: str | Sequence[str], split: str, **kwargs) -> datasets.Dataset:
     """Rows for a named task: "facts" (kwargs of `make_facts`, ``value_split`` included;
     ``n_examples`` required, ``limit`` caps it), "babi-qa1" / "babi:1" (kwargs of `load_babi`),
-    or a mix of bAbI tasks, "babi:1+2+3" or a list of task names (kwargs of `load_babi_mix`)."""
+    or a mix of bAbI tasks, "babi:1+2+3" or a list of task names (kwargs of `load_babi_mix`), or
+    "babilong:1:2k" (kwargs of `load_babilong`, ``tokenizer=`` the LM's)."""
     canonical, builder, numbers = _builder(name)
+    if builder is load_babilong:
+        return load_babilong(name, split, **kwargs)
     if builder is load_babi:
         return load_babi(canonical, split, **kwargs)
     if builder is load_babi_mix:
@@ -773,9 +854,13 @@ def task_config_key(name: str | Sequence[str], split: str, **kwargs) -> dict:
     """A JSON-serialisable description of what `load_task` builds for these arguments, with
     defaults filled in; for bAbI it names the source file and a hash of its content (not its
     location), so a changed file changes the key. A bAbI mix lists its files and hashes, in
-    task order; a facts ``value_split`` adds itself and ``value_split_version``."""
+    task order; a facts ``value_split`` adds itself and ``value_split_version``. A BABILong task
+    adds its length, the background's hash, the tokenizer's and the generator version
+    (`babilong_config_key`)."""
     canonical, builder, numbers = _builder(name)
     _check_split(split)
+    if builder is load_babilong:
+        return babilong_config_key(name, split, **kwargs)
     if builder is load_babi:
         bound = inspect.signature(load_babi).bind(canonical, split, **kwargs)
         bound.apply_defaults()

@@ -43,8 +43,10 @@ from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
-from ..babilong import is_babilong_name, length_label, load_babilong, parse_babilong_name
-from ..tasks import babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, make_facts
+from ..precision import autocast, check_precision, resolve
+from ..babilong import is_babilong_name, length_label, parse_babilong_name
+from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
+                     make_facts)
 from ..io import atomic_write_text
 from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, require_vllm
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
@@ -355,6 +357,7 @@ def evaluate(
     throughput_n: int = DEFAULT_THROUGHPUT_N,
     vllm_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     vllm: VLLMDecoder | None = None,
+    precision: str | None = None,
 ) -> dict:
     """Evaluate the methods of a trained run; returns the results dict (and writes it to ``out``).
 
@@ -390,6 +393,9 @@ def evaluate(
             task; empty: no benchmark.
         vllm_kv_cache_bytes: the vLLM engine's KV cache.
         vllm: a `VLLMDecoder` on ``lm`` to use instead of starting an engine (engine="vllm").
+        precision: compute precision of the HF forwards (`ilcp.precision`: "32-true",
+            "bf16-mixed" or "auto"); default the one the run trained at (config.json
+            ``lm.precision``). The vLLM engine computes in its own dtype.
 
     Raises:
         ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
@@ -410,6 +416,8 @@ def evaluate(
         _check_int(name, value, low)
     throughput_batches = [_check_int("throughput_batches", v, 1) for v in throughput_batches]
     require_engine(engine)
+    if precision is not None:
+        check_precision(precision)
     lengths = [_check_int("lengths", v, 1) for v in lengths]
     facts_counts = [_check_int("facts_counts", v, 1) for v in facts_counts]
     ckpt = Path(ckpt)
@@ -438,7 +446,10 @@ def evaluate(
     fingerprint = lm.fingerprint
     check_fingerprint(config, fingerprint)
     run = read_export(ckpt)
-    handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype) if run.encoder is not None else None
+    precision = resolve(precision or str(config["lm"].get("precision", "32-true")), lm.device)
+    say(f"compute precision {precision}")
+    handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype, precision=precision)
+               if run.encoder is not None else None)
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
     engine_info = None
     if engine == "vllm":
@@ -469,65 +480,66 @@ def evaluate(
         "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                      "intervals": "wilson", "seed": seed, "methods": [m.name for m in chosen],
                      "tasks": [s.name for s in task_specs], "device": str(lm.device), "engine": engine,
-                     "torch_threads": torch.get_num_threads()},
+                     "precision": precision, "torch_threads": torch.get_num_threads()},
         "vllm": engine_info,
         "tasks": {},
         "skipped": skipped,
     }
-    predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
+    with autocast(precision, lm.device):  # every forward of every method at the run's precision
+        predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
 
-    for spec in task_specs:
-        rows, available, source = _task_rows(spec, limit, facts_settings, lm.tokenizer)
-        seen = spec.name in trained_on
-        say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
-            f"questions, {len(bound)} methods")
-        task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
-                       "limit": limit, "methods": {}}
-        predictions[spec.name] = (rows, {}, {})
-        for m in bound:
-            t0 = time.perf_counter()
-            metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                                   progress=progress, desc=f"{spec.name} {m.name} accuracy", vllm=vllm)
-            t1 = time.perf_counter()
-            metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
-            metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
-            task_result["methods"][m.name] = metrics
-            predictions[spec.name][1][m.name] = preds
-            if vllm_preds is not None:
-                predictions[spec.name][2][m.name] = vllm_preds
-            say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
-                f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
-                f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
-                f"{metrics['seconds']['latency']:.0f}s latency)")
-            if "vllm" in metrics:
-                v = metrics["vllm"]
-                say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
-                                       f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
-                                       f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
-        results["tasks"][spec.name] = task_result
+        for spec in task_specs:
+            rows, available, source = _task_rows(spec, limit, facts_settings, lm.tokenizer)
+            seen = spec.name in trained_on
+            say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
+                f"questions, {len(bound)} methods")
+            task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
+                           "limit": limit, "methods": {}}
+            predictions[spec.name] = (rows, {}, {})
+            for m in bound:
+                t0 = time.perf_counter()
+                metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                                       progress=progress, desc=f"{spec.name} {m.name} accuracy", vllm=vllm)
+                t1 = time.perf_counter()
+                metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
+                metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
+                task_result["methods"][m.name] = metrics
+                predictions[spec.name][1][m.name] = preds
+                if vllm_preds is not None:
+                    predictions[spec.name][2][m.name] = vllm_preds
+                say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
+                    f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
+                    f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
+                    f"{metrics['seconds']['latency']:.0f}s latency)")
+                if "vllm" in metrics:
+                    v = metrics["vllm"]
+                    say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
+                                           f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
+                                           f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
+            results["tasks"][spec.name] = task_result
 
-    results["agreement"] = _agreement_summary(results["tasks"]) if engine == "vllm" else None
-    results["throughput"] = None
-    if throughput_batches:
-        spec = task_specs[0]
-        tp_methods = [m for m in bound if m.name in THROUGHPUT_METHODS]
-        if tp_methods:
-            tp_rows = _task_rows(spec, throughput_n, facts_settings, lm.tokenizer)[0]
-            say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in tp_methods)}, {len(tp_rows)} "
-                f"questions, batches {throughput_batches}" + (", HF and vLLM" if vllm is not None else ", HF"))
-            results["throughput"] = {"task": spec.name, **receiver_throughput(
-                tp_methods, tp_rows, throughput_batches, max_new_tokens=max_new_tokens, decoder=vllm, log=say)}
+        results["agreement"] = _agreement_summary(results["tasks"]) if engine == "vllm" else None
+        results["throughput"] = None
+        if throughput_batches:
+            spec = task_specs[0]
+            tp_methods = [m for m in bound if m.name in THROUGHPUT_METHODS]
+            if tp_methods:
+                tp_rows = _task_rows(spec, throughput_n, facts_settings, lm.tokenizer)[0]
+                say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in tp_methods)}, {len(tp_rows)} "
+                    f"questions, batches {throughput_batches}" + (", HF and vLLM" if vllm is not None else ", HF"))
+                results["throughput"] = {"task": spec.name, **receiver_throughput(
+                    tp_methods, tp_rows, throughput_batches, max_new_tokens=max_new_tokens, decoder=vllm, log=say)}
 
-    results["context_length"] = _length_sweep(
-        [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
-    if results["context_length"] is not None:
-        results["context_length"]["ilcp_pooled_max_length"] = handoff.max_length if handoff is not None else None
-    if config["task"] == "facts" and facts_counts:
-        results["facts_count"] = _facts_count_sweep(
-            [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
-            batch_size, max_new_tokens, progress, say)
-    else:
-        results["facts_count"] = None
+        results["context_length"] = _length_sweep(
+            [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
+        if results["context_length"] is not None:
+            results["context_length"]["ilcp_pooled_max_length"] = handoff.max_length if handoff is not None else None
+        if config["task"] == "facts" and facts_counts:
+            results["facts_count"] = _facts_count_sweep(
+                [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
+                batch_size, max_new_tokens, progress, say)
+        else:
+            results["facts_count"] = None
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     if out is not None:
         write_report(results, out)

@@ -21,25 +21,31 @@ from ..config import TrainConfig
 from ..encoder import pool_states, pool_units
 from ..lm import LM
 from ..pooling import AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, pad_token_states
+from ..babilong import is_babilong_name
 from ..tasks import FACT_VOCABULARIES, fact_values, load_task, task_config_key
 from .distributed import rank, world_size
-from .log import say
+from .log import run_precision, say
 
 
-def task_kwargs(cfg: TrainConfig, split: str, size: int) -> dict:
-    """Arguments of `load_task` for the configured training task and a split."""
+def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None) -> dict:
+    """Arguments of `load_task` for the configured training task and a split; ``tokenizer`` (the
+    LM's) is passed to the tasks whose length is counted in its tokens (``babilong:...``)."""
     d = cfg.data
     if d.task == "facts":
         kwargs = {"n_examples": size, "n_facts": d.facts_n_facts, "n_distractors": d.facts_n_distractors, "seed": d.seed}
         if d.facts_value_split is not None:
             kwargs["value_split"] = d.facts_value_split
         return kwargs
-    return {"variant": d.babi_variant, "limit": size, "seed": d.seed}
+    kwargs = {"variant": d.babi_variant, "limit": size, "seed": d.seed}
+    if is_babilong_name(d.task):
+        kwargs["tokenizer"] = tokenizer
+    return kwargs
 
 
-def load_rows(cfg: TrainConfig, split: str, size: int):
-    """(rows as a list of dicts, task key for the cache) of the configured task."""
-    kwargs = task_kwargs(cfg, split, size)
+def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None):
+    """(rows as a list of dicts, task key for the cache) of the configured task; ``tokenizer``:
+    the LM's, which a ``babilong:...`` task needs."""
+    kwargs = task_kwargs(cfg, split, size, tokenizer)
     ds = load_task(cfg.data.task, split, **kwargs)
     return ds.to_list(), task_config_key(cfg.data.task, split, **kwargs)
 
@@ -181,14 +187,14 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     tokens = (c.pooling == "attention" or c.chunk_tokens > 0) and "ilcp" in cfg.handoff.variants
     extract = cached_token_states if tokens else cached_pooled_states
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
-        rows, key = load_rows(cfg, split, size)
+        rows, key = load_rows(cfg, split, size, lm.tokenizer)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
         t0 = time.perf_counter()
         states, path, hit = extract(
             lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
             cache_dir=cfg.lm.cache_dir, max_length=cfg.data.max_length, layers=cfg.data.pool_layers,
-            batch_size=cfg.data.pool_batch_size, progress=cfg.trainer.progress,
+            batch_size=cfg.data.pool_batch_size, progress=cfg.trainer.progress, precision=run_precision(cfg),
         )
         what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
         say(f"{split}: {len(rows)} rows; {what} "

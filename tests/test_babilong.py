@@ -1,0 +1,331 @@
+"""ilcp.babilong: bAbI stories spread through public-domain prose to a length in the LM's tokens
+(`babilong:<task>:<length>`), on the tiny LM's tokenizer."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ilcp import babilong
+from ilcp.babilong import (
+    BABI_NAMES,
+    GENERATOR_VERSION,
+    babilong_context,
+    background_files,
+    background_sentences,
+    is_babi_like,
+    parse_babilong_name,
+    parse_length,
+    story_sentences,
+)
+from ilcp.tasks import TASK_COLUMNS, load_babi, load_task, task_config_key
+
+SPLITS = ("train", "validation", "test")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_lm):
+    return tiny_lm.tokenizer
+
+
+def n_tokens(tokenizer, text):
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def story_positions(context, story):
+    """Where each story sentence starts in the context, searching after the previous one."""
+    positions, at = [], 0
+    for sentence in story:
+        at = context.find(sentence, at)
+        assert at >= 0, f"{sentence!r} missing or out of order"
+        positions.append(at)
+        at += len(sentence)
+    return positions
+
+
+# ---------------------------------------------------------------------------------------- names
+
+@pytest.mark.parametrize("text, tokens", [
+    ("0", 0), ("0k", 0), ("0.5k", 512), ("1k", 1024), ("2K", 2048), ("4k", 4096), ("1500", 1500),
+    ("1.5k", 1536), (700, 700),
+])
+def test_lengths(text, tokens):
+    assert parse_length(text) == tokens
+
+
+def test_names():
+    assert parse_babilong_name("babilong:1:2k") == (1, 2048, "babilong-qa1-2k")
+    assert parse_babilong_name("babilong:qa3:0.5k") == (3, 512, "babilong-qa3-0.5k")
+    assert parse_babilong_name("babilong:2:1500").name == "babilong-qa2-1500"
+    assert parse_babilong_name("babilong:1:0").name == "babilong-qa1-0"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("babilong:1", "needs a length"),
+    ("babilong:1:", "needs a length"),
+    ("babilong:1:xyz", "unknown length 'xyz'"),
+    ("babilong:1:1.3k", "whole number of tokens"),
+    ("babilong:1:-1k", "unknown length"),
+    ("babilong:0:1k", "must be >= 1"),
+    ("babilong", "babilong:<task>:<length>"),
+    ("babilong:x:1k", "babilong:<task>:<length>"),
+])
+def test_bad_names(name, message, tokenizer):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_babilong_name(name)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_task(name, "test", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        task_config_key(name, "test", tokenizer=tokenizer)
+
+
+def test_a_task_without_files_is_a_value_error(tokenizer, tmp_path):
+    for call in (load_task, task_config_key):
+        with pytest.raises(ValueError, match=r"babilong:99:1k.*qa99_\*_test\.txt"):
+            call("babilong:99:1k", "test", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"qa4_\*_train\.txt"):  # task 4 is not shipped
+        load_task("babilong:4:1k", "train", tokenizer=tokenizer)
+
+
+def test_a_length_needs_the_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer="):
+        load_task("babilong:1:1k", "test", limit=2)
+    with pytest.raises(ValueError, match="tokenizer="):
+        task_config_key("babilong:1:1k", "test")
+    with pytest.raises(ValueError, match="tokenizer"):
+        babilong_context(["Mary went to the kitchen."], 512)
+    with pytest.raises(ValueError, match="split"):
+        babilong_context(["Mary went to the kitchen."], 0, split="dev")
+    with pytest.raises(ValueError, match="length"):
+        babilong_context(["Mary went to the kitchen."], -1)
+
+
+# ----------------------------------------------------------------------------------- background
+
+def test_background_ships_with_its_licence():
+    files = background_files()
+    assert [p.name for p in files] == ["alice.txt", "botchan.txt"]
+    assert sum(p.stat().st_size for p in files) < 4_000_000
+    readme = (files[0].parent / "README.md").read_text()
+    assert "public domain" in readme and all(p.name in readme for p in files)
+    for path in files:
+        assert "gutenberg" not in path.read_text().lower()  # header, footer and licence removed
+
+
+def test_splits_read_disjoint_contiguous_passages():
+    by_split = {split: background_sentences(split) for split in SPLITS}
+    places = {split: {(s.source, s.index) for s in sentences} for split, sentences in by_split.items()}
+    assert not places["train"] & places["validation"]
+    assert not places["train"] & places["test"]
+    assert not places["validation"] & places["test"]
+    for source in ("alice.txt", "botchan.txt"):  # each book: train, then validation, then test
+        ranges = [sorted(i for s, i in places[split] if s == source) for split in SPLITS]
+        assert all(r == list(range(r[0], r[-1] + 1)) for r in ranges)
+        assert ranges[0][0] == 0 and ranges[0][-1] + 1 == ranges[1][0] and ranges[1][-1] + 1 == ranges[2][0]
+        sizes = [len(r) for r in ranges]
+        assert sizes[0] > 7 * sizes[1] and abs(sizes[1] - sizes[2]) <= 1
+    # long sentences do not repeat, so no text is shared either
+    texts = {split: {s.text for s in sentences if len(s.text.split()) >= 8}
+             for split, sentences in by_split.items()}
+    assert not texts["train"] & texts["validation"] and not texts["train"] & texts["test"]
+    assert not texts["validation"] & texts["test"]
+
+
+def test_contexts_read_only_their_splits_background(tokenizer):
+    texts = {split: {s.text for s in background_sentences(split) if len(s.text.split()) >= 8}
+             for split in SPLITS}
+    story = story_sentences(load_babi(1, "test")[0]["context"])
+    for split in SPLITS:
+        others = set().union(*(texts[s] for s in SPLITS if s != split)) - texts[split]
+        for seed in range(3):
+            context = babilong_context(story, 1024, tokenizer, split=split, seed=seed)
+            used = [t for t in texts[split] if t in context]
+            assert len(used) >= 5
+            assert not [t for t in others if t in context]
+
+
+def test_background_is_not_babi_like():
+    for split in SPLITS:
+        for sentence in background_sentences(split):
+            assert not is_babi_like(sentence.text), sentence
+            assert not set(re.findall(r"[A-Za-z]+", sentence.text)) & BABI_NAMES, sentence
+            assert not re.fullmatch(r"\w+ (went|moved|journeyed|travelled) (back )?to the \w+\.",
+                                    sentence.text), sentence
+            assert 5 <= len(sentence.text.split()) <= 48
+
+
+def test_the_detector_flags_babi_statements():
+    for task in (1, 2, 3):
+        statements = {s for row in load_babi(task, "test", limit=300)["context"] for s in story_sentences(row)}
+        assert statements and all(is_babi_like(s) for s in statements)
+    for sentence in ("Mary went to the kitchen.", "She went to the garden.", "The cat moved to the hallway.",
+                     "I went to the school.", "He took the apple there.", "Fred is in the office.",
+                     "Lucas is no longer in the park.", "They journeyed back to the bedroom."):
+        assert is_babi_like(sentence), sentence
+    for sentence in ("Alice was beginning to get very tired of sitting by her sister on the bank.",
+                     ("I went to the school, and after a long while a teacher I had never seen came in "
+                      "and talked for an hour about nothing at all."),
+                     "'A likely story indeed!' said the Pigeon in a tone of the deepest contempt."):
+        assert not is_babi_like(sentence), sentence
+
+
+def test_sentences_split_at_ends_outside_quotes():
+    assert babilong.split_sentences(
+        "Mr. K. Natsume wrote it. 'Oh dear! I shall be late!' (she thought) and ran. "
+        "\"Hello, Kiyo, I'm back!\" \"How good of you!\" she cried. Isn't it?") == [
+        "Mr. K. Natsume wrote it.", "'Oh dear! I shall be late!' (she thought) and ran.",
+        "\"Hello, Kiyo, I'm back!\"", "\"How good of you!\" she cried.", "Isn't it?"]
+
+
+# -------------------------------------------------------------------------------------- contexts
+
+@pytest.mark.parametrize("length", [512, 1024, 2048, 4096])
+def test_length_is_reached_within_five_percent_never_above(tokenizer, length):
+    rows = load_babi(2, "test", limit=12).to_list()
+    for row in rows:
+        story = story_sentences(row["context"])
+        context = babilong_context(story, length, tokenizer, split="test", seed=row["id"])
+        assert 0.95 * length <= n_tokens(tokenizer, context) <= length
+        story_positions(context, story)
+
+
+def test_facts_keep_their_order_among_background(tokenizer):
+    rows = load_babi(3, "test", limit=10).to_list()
+    for row in rows:
+        story = story_sentences(row["context"])
+        context = babilong_context(story, 2048, tokenizer, split="test", seed=row["id"])
+        positions = story_positions(context, story)
+        assert positions == sorted(positions)
+        assert n_tokens(tokenizer, context) > n_tokens(tokenizer, row["context"]) + 500
+        # the story is spread out: background between some of its sentences
+        between = [context[p + len(s):q].strip() for p, s, q in zip(positions, story, positions[1:])]
+        assert sum(map(bool, between)) >= 2
+
+
+def test_length_zero_and_long_stories_are_the_plain_story(tokenizer):
+    row = load_babi(1, "test")[0]
+    story = story_sentences(row["context"])
+    assert " ".join(story) == row["context"]
+    assert babilong_context(story, 0) == row["context"]
+    assert babilong_context(story, 5, tokenizer) == row["context"]  # the story alone is longer
+
+
+def test_same_seed_same_text_other_seed_other_text(tokenizer):
+    story = story_sentences(load_babi(1, "test")[0]["context"])
+    first = babilong_context(story, 1024, tokenizer, split="train", seed=7)
+    assert babilong_context(story, 1024, tokenizer, split="train", seed=7) == first
+    assert babilong_context(story, 1024, tokenizer, split="train", seed=8) != first
+    assert babilong_context(story, 1024, tokenizer, split="validation", seed=7) != first
+    rows = load_task("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=5)
+    assert load_task("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=5)["context"] == rows["context"]
+    other = load_task("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=5, seed=1)
+    assert other["context"] != rows["context"]
+
+
+# ------------------------------------------------------------------------------------- the task
+
+def test_load_task(tokenizer):
+    babi = load_babi(1, "test", limit=6)
+    rows = load_task("babilong:1:1k", "test", tokenizer=tokenizer, limit=6)
+    assert tuple(rows.column_names) == TASK_COLUMNS and len(rows) == 6
+    assert rows["question"] == babi["question"] and rows["answer"] == babi["answer"]
+    assert rows["id"][0] == "babilong-qa1-1k-test-s0-q0" and set(rows["task"]) == {"babilong-qa1-1k"}
+    assert len(set(rows["id"])) == 6
+    for row, plain in zip(rows, babi):
+        story_positions(row["context"], story_sentences(plain["context"]))
+        assert n_tokens(tokenizer, row["context"]) <= 1024
+    # a prefix of the rows is the rows of a smaller limit
+    assert load_task("babilong:1:1k", "test", tokenizer=tokenizer, limit=3)["context"] == rows["context"][:3]
+    assert load_task("babilong:1:0", "test", limit=6)["context"] == babi["context"]
+
+
+def test_any_task_the_babi_directory_provides(tmp_path, monkeypatch, tokenizer):
+    folder = tmp_path / "en"
+    folder.mkdir()
+    (folder / "qa4_made-up_test.txt").write_text(
+        "1 The hall is north of the den.\n2 The den is east of the cellar.\n"
+        "3 What is north of the den?\thall\t1\n")
+    monkeypatch.setenv("ILCP_BABI_DIR", str(tmp_path))
+    rows = load_task("babilong:4:0.5k", "test", tokenizer=tokenizer)
+    assert rows["answer"] == ["hall"] and rows["id"] == ["babilong-qa4-0.5k-test-s0-q0"]
+    story_positions(rows[0]["context"], ["The hall is north of the den.", "The den is east of the cellar."])
+    assert task_config_key("babilong:4:0.5k", "test", tokenizer=tokenizer)["source"] == "qa4_made-up_test.txt"
+
+
+def test_task_config_key(tokenizer, tmp_path):
+    from ilcp.lm import build_tiny_tokenizer
+
+    key = task_config_key("babilong:1:1k", "train", tokenizer=tokenizer)
+    assert json.loads(json.dumps(key)) == key
+    assert key["task"] == "babilong-qa1-1k" and key["length_tokens"] == 1024
+    assert key["generator_version"] == GENERATOR_VERSION
+    assert re.fullmatch(r"[0-9a-f]{16}", key["tokenizer"]) and re.fullmatch(r"[0-9a-f]{16}", key["background_sha256"])
+    assert task_config_key("babilong:qa1:1024", "train", tokenizer=tokenizer) == key
+    assert task_config_key("babilong:1:2k", "train", tokenizer=tokenizer) != key
+    assert task_config_key("babilong:1:1k", "test", tokenizer=tokenizer) != key
+    assert task_config_key("babilong:1:1k", "train", tokenizer=tokenizer, seed=1) != key
+    assert task_config_key("babilong:1:1k", "train", tokenizer=tokenizer, limit=5) != key
+    assert task_config_key("babilong:2:1k", "train", tokenizer=tokenizer) != key
+
+    same = build_tiny_tokenizer()  # another object, the same tokenizer
+    assert task_config_key("babilong:1:1k", "train", tokenizer=same) == key
+    other = build_tiny_tokenizer()
+    other.add_tokens(["kitchen"])
+    assert task_config_key("babilong:1:1k", "train", tokenizer=other)["tokenizer"] != key["tokenizer"]
+
+    # the background: same content elsewhere, same key; changed content, another key
+    copy = tmp_path / "background"
+    shutil.copytree(background_files()[0].parent, copy)
+    assert task_config_key("babilong:1:1k", "train", tokenizer=tokenizer, background_dir=copy) == key
+    book = copy / "alice.txt"
+    book.write_text(book.read_text().replace("Rabbit", "Hare"))
+    assert task_config_key("babilong:1:1k", "train", tokenizer=tokenizer, background_dir=copy) != key
+    assert task_config_key("babilong:1:0", "train")["tokenizer"] is None
+
+
+def test_config_train_and_eval_accept_the_name(tokenizer):
+    from ilcp.config import load_config
+    from ilcp.evaluation.run import _task_rows, parse_task
+    from ilcp.training.data import load_rows, task_kwargs
+
+    cfg = load_config(None, ["data.task=babilong:1:1k", "data.babi_variant=en"])
+    assert cfg.data.task == "babilong:1:1k"
+    for bad in ("babilong:1", "babilong:1:xyz"):
+        with pytest.raises(ValueError, match="data.task"):
+            load_config(None, [f"data.task={bad}"])
+    assert task_kwargs(cfg, "train", 4, tokenizer)["tokenizer"] is tokenizer
+    assert "tokenizer" not in task_kwargs(load_config(None, []), "train", 4, tokenizer)
+    rows, key = load_rows(cfg, "validation", 4, tokenizer)
+    assert len(rows) == 4 and key["task"] == "babilong-qa1-1k" and key["split"] == "validation"
+
+    spec = parse_task("babilong:2:2048")
+    assert spec.name == "babilong:2:2k" and spec.length == 2048 and not spec.is_facts
+    rows, available, source = _task_rows(spec, 3, None, tokenizer)
+    assert len(rows) == 3 and available == 1000 and "2048-token" in source
+    assert all(n_tokens(tokenizer, r["context"]) <= 2048 for r in rows)
+    for bad in ("babilong:1", "babilong:99:1k"):
+        with pytest.raises(ValueError, match="babilong"):
+            parse_task(bad)
+
+
+def test_a_run_trains_and_evaluates_on_a_babilong_task(tmp_path, tiny_lm):
+    from ilcp.config import load_config
+    from ilcp.evaluation.run import evaluate
+    from ilcp.export import read_export
+    from ilcp.training import train
+
+    tiny = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
+                             "data.task=babilong:1:0.5k", "handoff.variants=[prompt_tuned]",
+                             "handoff.max_steps=1", "handoff.val_every_steps=1",
+                             "compressor.answer_head_weight=0", "handoff.finetune_encoder=false"])
+    result = train(cfg, lm=tiny_lm)
+    assert result.metrics["train_rows"] == cfg.data.train_size
+    assert read_export(result.run_dir).config["task"] == "babilong:1:0.5k"
+    results = evaluate(result.run_dir, lm=tiny_lm, tasks=["babilong:1:0"], methods=["no_context"], limit=2,
+                       latency_n=0, lengths=[], facts_counts=[])
+    assert list(results["tasks"]) == ["babilong:1:0.5k", "babilong:1:0"]
+    assert results["tasks"]["babilong:1:0.5k"]["seen_in_training"]
+    assert not results["tasks"]["babilong:1:0"]["seen_in_training"]
