@@ -168,8 +168,10 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     }
 
 
-def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict) -> Path:
-    """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring)."""
+def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true") -> Path:
+    """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring);
+    ``precision`` is the compute precision the run trained at (`ilcp.precision`), which its
+    receivers use by default."""
     run_dir = cfg.run_dir
     files = {}
     digests = {}
@@ -184,7 +186,8 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict) -> Path
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,
         "package_version": __version__,
-        "lm": {"spec": lm.spec, "fingerprint": lm.fingerprint, "dtype": cfg.lm.dtype, "hidden_size": lm.hidden_size},
+        "lm": {"spec": lm.spec, "fingerprint": lm.fingerprint, "dtype": cfg.lm.dtype, "hidden_size": lm.hidden_size,
+               "precision": precision},
         "num_memory_tokens": cfg.handoff.num_memory_tokens,
         "task": d.task,
         "task_settings": {"babi_variant": d.babi_variant, "facts_n_facts": d.facts_n_facts,

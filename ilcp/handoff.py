@@ -41,6 +41,7 @@ from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
 from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
+from .precision import autocast, resolve
 from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
 from .transport import PayloadError, TransportPayload, check_key, pack, unpack
@@ -61,6 +62,7 @@ class ILCPHandoff:
         auth_key: a key shared by sender and receiver (bytes, >= 16): `to_wire` seals payloads
             with HMAC-SHA256 and `parse` refuses bytes whose tag does not verify, and unsealed
             bytes. None: the CRC-checked format only.
+        precision: compute precision (`ilcp.precision`); default the config's ``lm.precision``.
 
     Raises:
         ExportError: the config was made for another LM, or the encoder does not fit it.
@@ -78,6 +80,7 @@ class ILCPHandoff:
         device: str | torch.device | None = None,
         payload_dtype: str | torch.dtype = "float32",
         auth_key: bytes | None = None,
+        precision: str | None = None,
     ):
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
@@ -115,6 +118,8 @@ class ILCPHandoff:
         self.device = torch.device(device) if device is not None else lm.device
         self.encoder = encoder.to(self.device).float().eval()
         self.encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)  # used when the encoder snaps
+        recorded = str(config.get("lm", {}).get("precision", "32-true"))
+        self.precision = resolve(recorded if precision is None else precision, self.device)
         self.source: Path | None = None
 
     # ---------------------------------------------------------------------------------- loading
@@ -130,6 +135,7 @@ class ILCPHandoff:
         payload_dtype: str | torch.dtype = "float32",
         cache_dir: str | os.PathLike | None = None,
         auth_key: bytes | None = None,
+        precision: str | None = None,
     ) -> ILCPHandoff:
         """Load the ILCP modules of a run directory (see `ilcp.export`) for an LM.
 
@@ -141,10 +147,15 @@ class ILCPHandoff:
             device: where the modules run (and where a loaded LM is placed); default the LM's.
             payload_dtype: dtype of z on the wire.
             cache_dir: `load_lm`'s cache, when the LM is loaded here.
+            auth_key: see the class.
+            precision: compute precision of the sender's forward, the encoder and the receiver's
+                decode (`ilcp.precision`: "32-true", "bf16-mixed" or "auto"); default the one
+                the run trained at (config.json ``lm.precision``; "32-true" when absent).
 
         Raises:
             ExportError: not an export, no ILCP weights in it, or an LM with another fingerprint.
-            ValueError: a bare model without a tokenizer, or a tokenizer beside an LM bundle.
+            ValueError: a bare model without a tokenizer, a tokenizer beside an LM bundle, an
+                unknown precision.
         """
         run = read_export(path)
         if run.encoder is None:
@@ -166,15 +177,18 @@ class ILCPHandoff:
             lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
-        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key)
+        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
+                               precision=precision)
 
     @classmethod
     def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,
-                    payload_dtype: str | torch.dtype = "float32", auth_key: bytes | None = None) -> ILCPHandoff:
+                    payload_dtype: str | torch.dtype = "float32", auth_key: bytes | None = None,
+                    precision: str | None = None) -> ILCPHandoff:
         """The handoff of an export already read (`ilcp.export.read_export`) for an LM bundle."""
         if run.encoder is None:
             raise ExportError(f"{str(run.path)!r} holds no ILCP weights; train with 'ilcp' among handoff.variants")
-        handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype, auth_key=auth_key)
+        handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
+                      precision=precision)
         handoff.source = run.path
         return handoff
 
@@ -250,7 +264,7 @@ class ILCPHandoff:
 
         def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
             mask = attention[rows, :width]
-            with torch.no_grad():
+            with torch.no_grad(), self.compute():
                 return sender_token_states(self.lm.model, ids[rows, :width], mask, self.layers), mask
 
         return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of)
@@ -282,7 +296,8 @@ class ILCPHandoff:
         """Right-padded sender states (B, S, D) and their mask (B, S) -> each row's latent, (Z,)
         or (N_i, Z) with one latent per chunk (the encoder's real chunks only)."""
         mask = attention_mask.to(self.device)
-        z = self.encoder.latent(states.to(self.device), mask)
+        with self.compute():
+            z = self.encoder.latent(states.to(self.device), mask).float()
         if not self.encoder.chunked:
             return list(z)
         real = self.encoder.latent_mask(mask)
@@ -336,14 +351,18 @@ class ILCPHandoff:
         Returns:
             a payload with latent (B, Z).
         """
-        with torch.no_grad():
+        with torch.no_grad(), self.compute():
             states = layer_states(outputs, self.layers).to(self.device)
             mask = attention_mask.to(self.device)
-            z = self.encoder.latent(states, mask)
+            z = self.encoder.latent(states, mask).float()
             if self.encoder.chunked and not bool(self.encoder.latent_mask(mask).all()):
                 raise ValueError("these contexts carry different numbers of latents: run the forward on one "
                                  "context at a time, or use send_each")
             return self._pack(z)
+
+    def compute(self):
+        """The context every forward of this handoff runs in: autocast at its precision."""
+        return autocast(self.precision, self.device)
 
     def _pack(self, z: Tensor) -> TransportPayload:
         return pack(z, lm_fingerprint=self.fingerprint, dtype=self.payload_dtype)
@@ -386,7 +405,7 @@ class ILCPHandoff:
                                f"Z = {self.latent_dim}")
         if z.dim() == per_context:
             z = z.unsqueeze(0)
-        with torch.no_grad():
+        with torch.no_grad(), self.compute():
             memory = self.encoder.memory(z, dtype=self.lm.dtype)
         return memory.to(self.lm.device)
 
@@ -438,8 +457,9 @@ class ILCPHandoff:
         if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(f"the receiver's prompt ({longest} positions) plus {max_new_tokens} new tokens exceeds "
                              f"this LM's context of {limit} positions: shorten the question")
-        answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
-                                batch_size=batch_size, stop_at_newline=stop_at_newline)
+        with self.compute():
+            answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
+                                    batch_size=batch_size, stop_at_newline=stop_at_newline)
         return answers[0] if single else answers
 
     def reconstruct(self, payload: TransportPayload | bytes, max_new_tokens: int = 64, *,
@@ -456,9 +476,10 @@ class ILCPHandoff:
         instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
         prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(self.lm.model)
                     for i in range(memory.shape[0])]
-        return greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        with self.compute():
+            return greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
     def __repr__(self) -> str:
         return (f"ILCPHandoff(lm={self.lm.spec!r}, fingerprint={self.fingerprint}, latent_dim={self.latent_dim}, "
                 f"K={self.num_memory_tokens}, payload_dtype={self.payload_dtype!r}, layers={list(self.layers)}, "
-                f"max_length={self.max_length})")
+                f"max_length={self.max_length}, precision={self.precision!r})")

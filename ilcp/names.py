@@ -11,6 +11,9 @@ from difflib import get_close_matches
 # the frozen LM (ilcp.lm)
 DEFAULT_LM = "smollm2-135m-instruct"
 
+# compute precision (ilcp.precision)
+PRECISIONS = ("32-true", "bf16-mixed", "auto")
+
 # the ILCP memory source (ilcp.encoder)
 POOLING_KINDS = ("mean", "attention", "concat")
 VOCABULARY_SNAPS = ("none", "soft", "hard")

@@ -429,10 +429,14 @@ def token_states(
 
 
 def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int],
-                     kind: str = "mean") -> dict:
-    """Everything that decides the cached states, as a JSON-serialisable dict."""
-    return {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
-            "layers": [int(i) for i in layers], "pool": kind, "format": 1}
+                     kind: str = "mean", precision: str = "32-true") -> dict:
+    """Everything that decides the cached states, as a JSON-serialisable dict (the compute
+    precision only when it is not float32, so float32 states keep their key)."""
+    key = {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
+           "layers": [int(i) for i in layers], "pool": kind, "format": 1}
+    if precision != "32-true":
+        key["precision"] = precision
+    return key
 
 
 def _cache_lookup(key: dict, row_ids: Sequence[str], cache_dir) -> tuple[Path, dict, dict | None]:
@@ -467,15 +471,18 @@ def cached_pooled_states(
     batch_size: int = 16,
     trainer_kwargs: dict | None = None,
     progress: bool = True,
+    precision: str = "32-true",
 ) -> tuple[Tensor, Path, bool]:
-    """Pooled states of `contexts`, read from the cache when present, else computed and stored.
+    """Pooled states of `contexts`, read from the cache when present, else computed and stored;
+    the forward runs at ``precision`` (a resolved `ilcp.precision` name), the states are float32.
 
     Returns:
         (pooled (N, D) float32, cache file, hit): `hit` is True when no forward pass ran.
     """
     if len(contexts) != len(row_ids):
         raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
-    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers)
+    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, precision=precision)
+    trainer_kwargs = {**(trainer_kwargs or {}), "precision": precision}
     path, meta, found = _cache_lookup(key, row_ids, cache_dir)
     if found is not None and "pooled" in found:
         return found["pooled"], path, True
@@ -497,15 +504,18 @@ def cached_token_states(
     batch_size: int = 16,
     trainer_kwargs: dict | None = None,
     progress: bool = True,
+    precision: str = "32-true",
 ) -> tuple[TokenStates, Path, bool]:
-    """`token_states` of `contexts` through the same cache as `cached_pooled_states`.
+    """`token_states` of `contexts` through the same cache as `cached_pooled_states`, the forward
+    at ``precision``.
 
     Returns:
         (token states, cache file, hit).
     """
     if len(contexts) != len(row_ids):
         raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
-    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, kind="tokens")
+    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, kind="tokens", precision=precision)
+    trainer_kwargs = {**(trainer_kwargs or {}), "precision": precision}
     path, meta, found = _cache_lookup(key, row_ids, cache_dir)
     if found is not None and {"states", "offsets"} <= set(found):
         return TokenStates(found["states"], found["offsets"]), path, True

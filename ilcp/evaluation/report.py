@@ -231,7 +231,9 @@ def markdown_report(results: dict) -> str:
         f"LM `{results['run']['lm_spec']}` (fingerprint {results['run']['fingerprint']}), trained on "
         f"`{results['run']['train_task']}`. Limit per task: {limit}; latency: the first {s['latency_n']} "
         f"rows of each task, one request at a time; batch size {s['batch_size']}; greedy, "
-        f"{s['max_new_tokens']} new tokens at most.",
+        f"{s['max_new_tokens']} new tokens at most. Compute precision {s.get('precision', '32-true')} on "
+        f"{s.get('device', '?')} with {s.get('torch_threads', '?')} torch threads; {results.get('seconds', '?')} s "
+        "in all.",
         "",
         "Exact match and contains are on the normalised first line of the answer; intervals are 95% "
         "Wilson score intervals over questions. Wire bytes: what crosses the handoff per "

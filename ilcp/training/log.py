@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
+from ..precision import resolve
 from .distributed import is_main
 
 
@@ -28,12 +29,20 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     return trainable, frozen
 
 
+def run_precision(cfg) -> str:
+    """The run's compute precision, ``trainer.precision`` with ``auto`` resolved for the device
+    the run trains on (`ilcp.precision.resolve`)."""
+    t = cfg.trainer
+    cuda = t.accelerator in ("gpu", "cuda") or (t.accelerator == "auto" and torch.cuda.is_available())
+    return resolve(t.precision, "cuda" if cuda else "cpu")
+
+
 def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> L.Trainer:
-    """A Trainer with the run's accelerator settings, logging to ``RUN/logs/NAME``."""
+    """A Trainer with the run's accelerator settings and precision, logging to ``RUN/logs/NAME``."""
     t = cfg.trainer
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
-        precision=t.precision, logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
+        precision=run_precision(cfg), logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
         callbacks=callbacks, enable_progress_bar=t.progress, enable_model_summary=False,
         default_root_dir=str(stage_dir), num_sanity_val_steps=0, log_every_n_steps=5,
         use_distributed_sampler=False,  # the loaders shard the global batches themselves (`data.row_loader`)

@@ -35,7 +35,7 @@ from .data import HandoffDataModule, prepare_data
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
 from .reconstruction_stage import train_reconstruction
-from .log import say
+from .log import run_precision, say
 
 
 @dataclass
@@ -124,7 +124,9 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
     with procs.main_first():
         if lm is None:
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
-        say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}")
+        precision = run_precision(cfg)
+        say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}, compute "
+            f"precision {precision}")
         clock.done("lm")
         if cfg.handoff.format_from not in ("", "cold_read_tuned"):
             format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage
@@ -145,11 +147,11 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         clock.done(variant)
     metrics = {
         "compressor": compressor_metrics, "reconstruct": reconstruct_metrics, "variants": variant_metrics,
-        "train_rows": len(train_rows), "val_rows": len(val_rows), "stage_seconds": clock.seconds,
-        "total_seconds": clock.total,
+        "train_rows": len(train_rows), "val_rows": len(val_rows), "precision": precision,
+        "stage_seconds": clock.seconds, "total_seconds": clock.total,
     }
     if is_main():
-        export.export_run(cfg, lm, sources, metrics)
+        export.export_run(cfg, lm, sources, metrics, precision=precision)
         clock.done("export")
         metrics["total_seconds"] = clock.total
         atomic_write_json(run_dir / "metrics.json", metrics)  # not among the export's digests
