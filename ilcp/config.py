@@ -57,9 +57,13 @@ class DataConfig:
     facts_value_split: str | None = _f(None, "facts task: 'train' draws every value from the training side of the "
                                              "value partition, so eval's facts-heldout split asks only unseen values "
                                              "(null: the original generator)")
-    max_length: int = _f(512, "context tokens pooled (longer contexts keep their last tokens)")
+    max_length: int = _f(0, "context tokens the sender reads (0 = the LM's own limit, its max_position_embeddings; "
+                            "a longer context keeps its last tokens, the export records the limit and eval reports "
+                            "the contexts cut)")
     pool_layers: list = _f([-1], "hidden-state layers mean-pooled and concatenated (-1 = last)")
-    pool_batch_size: int = _f(16, "batch size of pooled-state extraction")
+    pool_batch_size: int = _f(16, "contexts per forward of sender-state extraction")
+    pool_batch_tokens: int = _f(16384, "at most this many padded positions per extraction forward (long contexts "
+                                       "go a few, or one, at a time)")
     seed: int = _f(0, "seed of the validation split and of procedural tasks")
 
     def __post_init__(self):
@@ -74,9 +78,12 @@ class DataConfig:
             raise ValueError(f"data.task must be 'babi:N', 'facts' or 'babilong:N:LENGTH', got {self.task!r}")
         if self.babi_variant not in {"en", "en-10k"}:
             raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
-        for name in ("train_size", "val_size", "val_decode_size", "max_length", "pool_batch_size", "facts_n_facts"):
+        for name in ("train_size", "val_size", "val_decode_size", "pool_batch_size", "pool_batch_tokens",
+                     "facts_n_facts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_length < 0:
+            raise ValueError(f"data.max_length must be >= 0 (0 = the LM's own limit), got {self.max_length}")
         if self.facts_value_split not in (None, "train"):
             raise ValueError(f"data.facts_value_split must be null or 'train', got {self.facts_value_split!r}")
         if self.facts_n_distractors < 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -40,13 +41,15 @@ from .decoding import greedy_decode
 from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
 from .lm import LM, load_lm
-from .pooling import layer_states, pad_id_of, pad_right, sender_token_states, tokenize_contexts
+from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
 from .precision import autocast, resolve
 from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
 from .transport import PayloadError, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
+
+MAX_BATCH_TOKENS = 16384  # padded positions per sender forward (`ILCPHandoff.latents`)
 
 
 class ILCPHandoff:
@@ -231,8 +234,8 @@ class ILCPHandoff:
     # ----------------------------------------------------------------------------------- sender
 
     def sender_inputs(self, contexts: Sequence[str]) -> dict[str, Tensor]:
-        """Token ids as training pooled them: no special tokens, the last ``max_length`` tokens
-        of each context, right-padded.
+        """Token ids as training pooled them: no special tokens, right-padded; a context longer
+        than the export's ``max_length`` keeps its last ``max_length`` tokens, with a warning.
 
         Returns:
             {"input_ids": (B, S) long, "attention_mask": (B, S) long} on the LM's device.
@@ -244,15 +247,23 @@ class ILCPHandoff:
             raise ValueError("contexts must be a non-empty list of strings")
         if any(not isinstance(c, str) for c in contexts):
             raise ValueError("contexts must be strings")
-        ids = tokenize_contexts(self.lm.tokenizer, contexts, self.max_length)
+        ids = self.lm.tokenizer(list(contexts), add_special_tokens=False)["input_ids"]
         if any(len(seq) == 0 for seq in ids):
             raise ValueError("cannot send an empty context (it has no tokens)")
+        cut = [len(seq) for seq in ids if len(seq) > self.max_length]
+        if cut:
+            warnings.warn(f"{len(cut)} of {len(ids)} context(s) are longer than this export's max_length of "
+                          f"{self.max_length} tokens (the longest {max(cut)}): the sender reads their last "
+                          f"{self.max_length} tokens, as training did", UserWarning, stacklevel=3)
+            ids = [seq[-self.max_length:] for seq in ids]
         input_ids, mask = pad_right(ids, pad_id_of(self.lm.tokenizer))
         return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
 
-    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[Tensor]:
+    def latents(self, contexts: Sequence[str], *, batch_size: int = 16,
+                max_batch_tokens: int | None = MAX_BATCH_TOKENS) -> list[Tensor]:
         """z = mu of each context: the sender forward training ran, one per batch of similar
-        lengths, then the encoder.
+        lengths (at most ``batch_size`` contexts and ``max_batch_tokens`` padded positions, so
+        long contexts go a few, or one, at a time), then the encoder.
 
         Returns:
             one float32 tensor per context, in the order given, on the encoder's device: (Z,), or
@@ -267,15 +278,17 @@ class ILCPHandoff:
             with torch.no_grad(), self.compute():
                 return sender_token_states(self.lm.model, ids[rows, :width], mask, self.layers), mask
 
-        return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of)
+        return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of, max_batch_tokens)
 
     def encode_in_batches(self, lengths: Sequence[int], batch_size: int,
-                          states_of: Callable[[list[int], int], tuple[Tensor, Tensor]]) -> list[Tensor]:
+                          states_of: Callable[[list[int], int], tuple[Tensor, Tensor]],
+                          max_batch_tokens: int | None = MAX_BATCH_TOKENS) -> list[Tensor]:
         """Each context's latent, encoding contexts of similar lengths together.
 
         Args:
             lengths: each context's token count.
             batch_size: contexts per batch.
+            max_batch_tokens: padded positions per batch at most (a longer context goes alone).
             states_of: ``(rows, width) -> (states (B, width, D), mask (B, width))``, the sender
                 states of those contexts, right-padded to ``width``.
 
@@ -284,8 +297,8 @@ class ILCPHandoff:
         """
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         out: list[Tensor] = [None] * len(lengths)  # type: ignore[list-item]
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
+        for batch in length_batches([lengths[i] for i in order], batch_size, max_batch_tokens):
+            rows = [order[j] for j in batch]
             states, mask = states_of(rows, max(lengths[i] for i in rows))
             for i, z in zip(rows, self.encode_states(states, mask)):
                 out[i] = z
@@ -351,6 +364,11 @@ class ILCPHandoff:
         Returns:
             a payload with latent (B, Z).
         """
+        longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+        if longest > self.max_length:
+            warnings.warn(f"the sender's forward covers {longest} tokens, more than this export's max_length of "
+                          f"{self.max_length}: the encoder reads them all, though training read at most "
+                          f"{self.max_length}", UserWarning, stacklevel=2)
         with torch.no_grad(), self.compute():
             states = layer_states(outputs, self.layers).to(self.device)
             mask = attention_mask.to(self.device)

@@ -74,6 +74,12 @@ class LM:
         return int(self.model.get_input_embeddings().weight.shape[1])
 
     @property
+    def max_positions(self) -> int | None:
+        """The most positions the model reads (``config.max_position_embeddings``), or None."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return int(limit) if limit else None
+
+    @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -35,7 +36,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .compat import logits_to_keep_kwargs
 from .io import atomic_save_safetensors
@@ -339,6 +340,11 @@ class _ShardWriter(BasePredictionWriter):
         return rows
 
 
+def context_lengths(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Each context's token count, as the sender tokenizes it (no special tokens)."""
+    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
 def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
     """Token ids without special tokens; contexts longer than `max_length` keep their last tokens
     (the most recent part of an agent's context)."""
@@ -348,8 +354,36 @@ def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[
     return [seq[-max_length:] if len(seq) > max_length else seq for seq in ids]
 
 
+def length_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Consecutive batches of rows whose ``lengths`` rise (sorted): at most ``batch_size`` rows,
+    and at most ``max_tokens`` padded positions (rows x the widest), a row longer than that
+    alone; so long contexts go a few, or one, at a time."""
+    batches: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        last = batches[-1] if batches else None
+        if last is not None and len(last) < batch_size and (max_tokens is None or (len(last) + 1) * n <= max_tokens):
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class _Batches(Sampler):
+    """Fixed batches of row indices, as a batch sampler."""
+
+    def __init__(self, batches: list[list[int]]):
+        self.batches = batches
+        self.drop_last = False  # every row is predicted
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def _extract(lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max_length: int,
-             layers: Sequence[int], trainer_kwargs: dict | None, progress: bool):
+             layers: Sequence[int], trainer_kwargs: dict | None, progress: bool, max_batch_tokens: int | None = None):
     """One predict pass over `texts` (sorted by length, put back in order afterwards)."""
     texts = list(texts)
     if any(not isinstance(t, str) for t in texts):
@@ -359,15 +393,18 @@ def _extract(lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max
         raise ValueError("cannot pool an empty context (it has no tokens)")
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     sorted_ids = [ids[i] for i in order]
-    loader = DataLoader(_Texts(sorted_ids), batch_size=batch_size, shuffle=False,
-                        collate_fn=_collate(pad_id_of(lm.tokenizer)))
+    batches = _Batches(length_batches([len(seq) for seq in sorted_ids], batch_size, max_batch_tokens))
+    loader = DataLoader(_Texts(sorted_ids), batch_sampler=batches, collate_fn=_collate(pad_id_of(lm.tokenizer)))
     kwargs = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
               "enable_progress_bar": progress, "enable_model_summary": False}
     kwargs.update(trainer_kwargs or {})
     with tempfile.TemporaryDirectory(prefix="ilcp-pool-") as tmp:
         writer = _ShardWriter(Path(tmp))
         trainer = L.Trainer(callbacks=[writer], **kwargs)
-        trainer.predict(PoolingModule(lm.model, layers, tokens=tokens), dataloaders=loader, return_predictions=False)
+        with warnings.catch_warnings():  # the batches hold every row: nothing is dropped
+            warnings.filterwarnings("ignore", message=".*custom batch sampler.*")
+            trainer.predict(PoolingModule(lm.model, layers, tokens=tokens), dataloaders=loader,
+                            return_predictions=False)
         if tokens:
             rows_sorted = writer.merge_tokens(len(sorted_ids))
             rows: list[Tensor] = [None] * len(texts)  # type: ignore[list-item]
@@ -385,6 +422,7 @@ def pooled_states(
     texts: Sequence[str],
     *,
     batch_size: int = 16,
+    max_batch_tokens: int | None = None,
     max_length: int = 512,
     layers: Sequence[int] = (-1,),
     trainer_kwargs: dict | None = None,
@@ -400,7 +438,7 @@ def pooled_states(
     if len(texts) == 0:
         return torch.zeros((0, lm.hidden_size * len(layers)), dtype=torch.float32)
     return _extract(lm, texts, tokens=False, batch_size=batch_size, max_length=max_length, layers=layers,
-                    trainer_kwargs=trainer_kwargs, progress=progress)
+                    trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
 
 
 def token_states(
@@ -408,6 +446,7 @@ def token_states(
     texts: Sequence[str],
     *,
     batch_size: int = 16,
+    max_batch_tokens: int | None = None,
     max_length: int = 512,
     layers: Sequence[int] = (-1,),
     trainer_kwargs: dict | None = None,
@@ -418,6 +457,7 @@ def token_states(
     if len(texts) == 0:
         return TokenStates(torch.zeros((0, lm.hidden_size * len(layers))), torch.zeros(1, dtype=torch.long))
     rows = _extract(lm, texts, tokens=True, batch_size=batch_size, max_length=max_length, layers=layers,
+                    max_batch_tokens=max_batch_tokens,
                     trainer_kwargs=trainer_kwargs, progress=progress)
     lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -469,6 +509,7 @@ def cached_pooled_states(
     max_length: int = 512,
     layers: Sequence[int] = (-1,),
     batch_size: int = 16,
+    max_batch_tokens: int | None = None,
     trainer_kwargs: dict | None = None,
     progress: bool = True,
     precision: str = "32-true",
@@ -487,7 +528,7 @@ def cached_pooled_states(
     if found is not None and "pooled" in found:
         return found["pooled"], path, True
     pooled = pooled_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
-                           trainer_kwargs=trainer_kwargs, progress=progress)
+                           trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
     atomic_save_safetensors({"pooled": pooled.contiguous()}, path, meta)
     return pooled, path, False
 
@@ -502,6 +543,7 @@ def cached_token_states(
     max_length: int = 512,
     layers: Sequence[int] = (-1,),
     batch_size: int = 16,
+    max_batch_tokens: int | None = None,
     trainer_kwargs: dict | None = None,
     progress: bool = True,
     precision: str = "32-true",
@@ -520,6 +562,6 @@ def cached_token_states(
     if found is not None and {"states", "offsets"} <= set(found):
         return TokenStates(found["states"], found["offsets"]), path, True
     states = token_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
-                          trainer_kwargs=trainer_kwargs, progress=progress)
+                          trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
     atomic_save_safetensors({"states": states.flat.contiguous(), "offsets": states.offsets.contiguous()}, path, meta)
     return states, path, False

@@ -61,7 +61,7 @@ def test_a_chunked_run_exports_its_chunk_size_and_sends_what_training_computed(c
     assert run.config["pooling"]["chunk_tokens"] == 4 and run.config["latent_dim"] == 16
     handoff = ILCPHandoff.from_export(run, tiny_lm)
     trained = result.sources["ilcp"].eval()
-    rows = token_states(tiny_lm, CONTEXTS, max_length=cfg.data.max_length, progress=False)
+    rows = token_states(tiny_lm, CONTEXTS, max_length=handoff.max_length, progress=False)
     for i, context in enumerate(CONTEXTS):
         n = -(-rows[i].shape[0] // 4)
         payload = handoff.send(context)

@@ -225,7 +225,7 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
     assert handoff.encoder.pooler is not None
     encoder = result.sources["ilcp"].eval()
-    rows = token_states(tiny_lm, CONTEXTS, max_length=cfg.data.max_length, progress=False)
+    rows = token_states(tiny_lm, CONTEXTS, max_length=handoff.max_length, progress=False)
     states, mask = pad_token_states([rows[i] for i in range(len(CONTEXTS))])
     with torch.no_grad():
         expected = encoder.latent(states, mask)

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..config import TrainConfig
 from ..encoder import pool_states, pool_units
 from ..lm import LM
-from ..pooling import AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, pad_token_states
+from ..pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, context_lengths,
+                       pad_token_states)
 from ..babilong import is_babilong_name
 from ..tasks import FACT_VOCABULARIES, fact_values, load_task, task_config_key
 from .distributed import rank, world_size
@@ -179,6 +180,14 @@ def heldout_values() -> list[str]:
     return [v for name in FACT_VOCABULARIES for v in fact_values(name, "heldout")]
 
 
+SENDER_LIMIT_FALLBACK = 8192  # data.max_length=0 for an LM whose config states no limit
+
+
+def sender_max_length(cfg: TrainConfig, lm: LM) -> int:
+    """The context tokens the sender reads: ``data.max_length``, or with 0 the LM's own limit."""
+    return cfg.data.max_length or lm.max_positions or SENDER_LIMIT_FALLBACK
+
+
 def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     """Train and validation rows with their (cached) sender states: token states when ilcp trains
     an attention pooler, else mean-pooled states."""
@@ -186,6 +195,7 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     c = cfg.compressor
     tokens = (c.pooling == "attention" or c.chunk_tokens > 0) and "ilcp" in cfg.handoff.variants
     extract = cached_token_states if tokens else cached_pooled_states
+    max_length = sender_max_length(cfg, lm)
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
         rows, key = load_rows(cfg, split, size, lm.tokenizer)
         if not rows:
@@ -193,9 +203,14 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         t0 = time.perf_counter()
         states, path, hit = extract(
             lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
-            cache_dir=cfg.lm.cache_dir, max_length=cfg.data.max_length, layers=cfg.data.pool_layers,
-            batch_size=cfg.data.pool_batch_size, progress=cfg.trainer.progress, precision=run_precision(cfg),
+            cache_dir=cfg.lm.cache_dir, max_length=max_length, layers=cfg.data.pool_layers,
+            batch_size=cfg.data.pool_batch_size, max_batch_tokens=cfg.data.pool_batch_tokens,
+            progress=cfg.trainer.progress, precision=run_precision(cfg),
         )
+        cut = sum(n > max_length for n in context_lengths(lm.tokenizer, [r["context"] for r in rows]))
+        if cut:
+            say(f"{split}: {cut} of {len(rows)} contexts are longer than data.max_length={max_length} "
+                "tokens: the sender reads their last tokens")
         what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
         say(f"{split}: {len(rows)} rows; {what} "
             f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")

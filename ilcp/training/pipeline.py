@@ -17,6 +17,7 @@ Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loadi
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -31,7 +32,7 @@ from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
-from .data import HandoffDataModule, prepare_data
+from .data import HandoffDataModule, prepare_data, sender_max_length
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
 from .reconstruction_stage import train_reconstruction
@@ -56,6 +57,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     the command that was run is rank 0 and starts the others, which run the same command (see
     `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files."""
     cfg.validate()
+    cfg = copy.deepcopy(cfg)  # data.max_length=0 is resolved on this copy once the LM is loaded
     procs = Processes(cfg.trainer)
     for name in ("compressor.batch_size", "reconstruct.batch_size", "handoff.batch_size"):
         section, key = name.split(".")
@@ -127,6 +129,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         precision = run_precision(cfg)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}, compute "
             f"precision {precision}")
+        cfg.data.max_length = sender_max_length(cfg, lm)  # 0: whole contexts, up to the LM's own limit
+        say(f"the sender reads contexts of up to {cfg.data.max_length} tokens")
         clock.done("lm")
         if cfg.handoff.format_from not in ("", "cold_read_tuned"):
             format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage

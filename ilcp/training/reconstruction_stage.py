@@ -31,7 +31,7 @@ from ..config import TrainConfig
 from ..encoder import ILCPEncoder
 from ..lm import LM
 from ..pooling import TokenStates, sender_token_states, tokenize_contexts
-from .data import HandoffDataModule, HandoffRows, heldout_values, word_tokens
+from .data import HandoffDataModule, HandoffRows, heldout_values, sender_max_length, word_tokens
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
 from .log import parameter_counts, say
@@ -68,7 +68,7 @@ class ReconstructionModule(HandoffModule):
         super().__init__(encoder, lm, cfg.handoff, val_decode_size=0)
         self.reconstruct_cfg = cfg.reconstruct
         self.max_target_tokens = cfg.reconstruct.max_target_tokens
-        self.max_context_tokens = cfg.data.max_length
+        self.max_context_tokens = sender_max_length(cfg, lm)
         self.prompt_ids = lm.tokenizer(prompts.reconstruction_prompt(lm.tokenizer), add_special_tokens=False)["input_ids"]
         self.token_loss = cfg.reconstruct.token_weight > 0 or cfg.reconstruct.token_steps > 0
         self.pool_layers, self.seed, self.word_pool = tuple(cfg.data.pool_layers), cfg.trainer.seed, None
