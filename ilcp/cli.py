@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from .config import load_config
+from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, PRECISIONS, method_names,
                     unknown_method)
@@ -241,6 +242,20 @@ def build_eval_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
+    """The `EvalConfig` of ``ilcp-eval``'s parsed arguments (ValueError for a bad value)."""
+    if args.vllm_kv_cache_mb < 1:
+        raise ValueError(f"--vllm-kv-cache-mb must be >= 1, got {args.vllm_kv_cache_mb}")
+    return EvalConfig(
+        tasks=args.tasks, methods=args.methods, limit=args.limit, latency_n=args.latency_n,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, lengths=args.lengths,
+        length_n=args.length_n, facts_counts=args.facts_counts, facts_count_limit=args.facts_count_limit,
+        seed=args.seed, out=out, device=args.device, progress=not args.no_progress,
+        payload_dtype=args.payload_dtype, engine=args.engine, throughput_batches=args.throughput_batches,
+        throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20, precision=args.precision,
+    )
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     parser = build_eval_parser()
     args = parser.parse_args(argv)
@@ -254,6 +269,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file: pass a folder for the results")
+    try:
+        cfg = eval_config(args, out)
+    except ValueError as e:  # a bad number, before anything heavy is imported
+        parser.error(str(e))
     from .evaluation.decoders import require_engine
     from .evaluation.report import markdown_report
     from .evaluation.run import evaluate
@@ -276,15 +295,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     log(f"{ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "
         f"requests per method; results in {out}")
     try:
-        results = evaluate(
-            ckpt, tasks=args.tasks, methods=args.methods, limit=args.limit,
-            latency_n=args.latency_n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-            lengths=args.lengths, length_n=args.length_n, facts_count_limit=args.facts_count_limit, seed=args.seed,
-            out=out, device=args.device, progress=not args.no_progress, payload_dtype=args.payload_dtype,
-            log=log, facts_counts=args.facts_counts, engine=args.engine, throughput_batches=args.throughput_batches,
-            throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20,
-            precision=args.precision,
-        )
+        results = evaluate(ckpt, cfg, log=log)
     except ValueError as e:  # bad task, method or number; not a finished run; another LM (ExportError)
         parser.error(str(e))
     except LMLoadError as e:  # the LM config.json names cannot be loaded here

@@ -1,30 +1,22 @@
-"""scripts/sweep.py: the tiny sweep end to end (train, evaluate, plot, table), reuse of finished
-runs and evaluations, refusal of a changed run, and the checks on sweep files."""
+"""ilcp.evaluation.sweep (the payload sweep; scripts/sweep.py is its command line): the tiny sweep
+end to end (train, evaluate, plot, table), reuse of finished runs and evaluations, refusal of a
+changed run, and the checks on sweep files."""
 
-import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ilcp.cli import build_eval_parser
 from ilcp.config import load_config
+from ilcp.evaluation import sweep as payload_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS = REPO / "configs" / "sweep"
-
-
-def _load_sweep_script():
-    """scripts/sweep.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("sweep_script", REPO / "scripts" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep_script = _load_sweep_script()
 
 
 def _args(root: Path, sweep: Path = SWEEPS / "tiny.yaml", *extra: str) -> list[str]:
@@ -40,7 +32,7 @@ def _run_files(runs: Path) -> dict[str, float]:
 def tiny_sweep(tmp_path_factory, tiny_lm):
     root = tmp_path_factory.mktemp("sweep")
     lines: list[str] = []
-    assert sweep_script.main(_args(root), lm=tiny_lm, log=lines.append) == 0
+    assert payload_sweep.main(_args(root), lm=tiny_lm, log=lines.append) == 0
     return root, lines
 
 
@@ -119,7 +111,7 @@ def test_the_selection_table_divides_by_the_r1_row_of_the_same_option():
     def row(label, em, wire):
         return {"label": label, "exact_match": em, "exact_match_ci": [em, em], "wire_bytes": wire, "n": 10}
 
-    lines = sweep_script.selection_table([
+    lines = payload_sweep.selection_table([
         row("rclc:cacheback:r1", 0.4, 100), row("rclc:cacheback:r4", 0.1, 25), row("rclc:cacheback:r16", 0.0, 7),
         row("rclc:cacheback:b16", 0.2, 50), row("rclc:qsnap:r4", 0.3, 25), row("rclc:qsnap:r16", 0.2, 7),
         row("rclc:cacheback:r1:tuned", 0.5, 100), row("rclc:qsnap:r4:tuned", 0.5, 25),
@@ -129,7 +121,7 @@ def test_the_selection_table_divides_by_the_r1_row_of_the_same_option():
     assert table["rclc:cacheback"] == "| rclc:cacheback | 0.0 | 10.0 | 20.0 | 40.0 | 25% | 0% |"
     assert table["rclc:qsnap"] == "| rclc:qsnap | 20.0 | 30.0 | - | 40.0 | 75% | 50% |"
     assert table["rclc:qsnap:tuned"] == "| rclc:qsnap:tuned | - | 50.0 | - | 50.0 | 100% | - |"
-    assert sweep_script.selection_table([row("rclc:qsnap:r4", 0.3, 25)]) == []  # no curve of two budgets
+    assert payload_sweep.selection_table([row("rclc:qsnap:r4", 0.3, 25)]) == []  # no curve of two budgets
 
 
 def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
@@ -137,7 +129,7 @@ def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
     before = _run_files(root / "runs")
     assert before
     lines: list[str] = []
-    assert sweep_script.main(_args(root), lm=tiny_lm, log=lines.append) == 0
+    assert payload_sweep.main(_args(root), lm=tiny_lm, log=lines.append) == 0
     assert _run_files(root / "runs") == before
     for run in ("reference", "single-4", "single-8", "single-16", "chunk4-8", "chunk4-8-recon"):
         assert any(line.startswith(f"run {run}: reusing the finished run") for line in lines), run
@@ -147,7 +139,7 @@ def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
     assert {p["evaluation"] for p in summary["points"]} == {"evaluated"}
     # --resume also keeps the evaluations, so no LM is needed at all
     lines = []
-    assert sweep_script.main(_args(root, SWEEPS / "tiny.yaml", "--resume"), log=lines.append) == 0
+    assert payload_sweep.main(_args(root, SWEEPS / "tiny.yaml", "--resume"), log=lines.append) == 0
     assert not any("loading LM" in line for line in lines)
     assert sum("reusing" in line and line.startswith("eval ") for line in lines) == 8
     resumed = json.loads((root / "out" / "sweep.json").read_text())
@@ -168,15 +160,15 @@ def _one_point_sweep(path: Path, latent_dim: int) -> Path:
 
 def test_a_run_folder_holding_another_config_is_refused_unless_overwrite(tmp_path, tiny_lm, capsys):
     quiet = [].append
-    assert sweep_script.main(_args(tmp_path, _one_point_sweep(tmp_path / "a.yaml", 4)), lm=tiny_lm, log=quiet) == 0
+    assert payload_sweep.main(_args(tmp_path, _one_point_sweep(tmp_path / "a.yaml", 4)), lm=tiny_lm, log=quiet) == 0
     run = tmp_path / "runs" / "p"
     before = _run_files(run)
     changed = _one_point_sweep(tmp_path / "b.yaml", 6)
-    assert sweep_script.main(_args(tmp_path, changed), lm=tiny_lm, log=quiet) == 2
+    assert payload_sweep.main(_args(tmp_path, changed), lm=tiny_lm, log=quiet) == 2
     err = capsys.readouterr().err
     assert "--overwrite" in err and "compressor.latent_dim: 4 there, 6 here" in err
     assert _run_files(run) == before
-    assert sweep_script.main(_args(tmp_path, changed, "--overwrite"), lm=tiny_lm, log=quiet) == 0
+    assert payload_sweep.main(_args(tmp_path, changed, "--overwrite"), lm=tiny_lm, log=quiet) == 0
     assert json.loads((run / "config.json").read_text())["latent_dim"] == 6
     summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert summary["points"][0]["training"] == "retrained" and summary["reference"] is None
@@ -186,19 +178,19 @@ def test_a_run_folder_holding_another_config_is_refused_unless_overwrite(tmp_pat
 def test_an_unfinished_run_needs_resume_or_overwrite(tmp_path, tiny_lm, capsys):
     sweep = _one_point_sweep(tmp_path / "a.yaml", 4)
     quiet = [].append
-    assert sweep_script.main(_args(tmp_path, sweep), lm=tiny_lm, log=quiet) == 0
+    assert payload_sweep.main(_args(tmp_path, sweep), lm=tiny_lm, log=quiet) == 0
     (tmp_path / "runs" / "p" / "config.json").unlink()  # as if training had stopped before the export
-    assert sweep_script.main(_args(tmp_path, sweep), lm=tiny_lm, log=quiet) == 2
+    assert payload_sweep.main(_args(tmp_path, sweep), lm=tiny_lm, log=quiet) == 2
     assert "unfinished" in capsys.readouterr().err
     lines: list[str] = []
-    assert sweep_script.main(_args(tmp_path, sweep, "--resume"), lm=tiny_lm, log=lines.append) == 0
+    assert payload_sweep.main(_args(tmp_path, sweep, "--resume"), lm=tiny_lm, log=lines.append) == 0
     assert any(line.startswith("run p: resuming") for line in lines)
     assert (tmp_path / "runs" / "p" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("name", ["facts.yaml", "babi1.yaml", "tiny.yaml"])
 def test_shipped_sweeps_resolve(name, tmp_path):
-    sweep = sweep_script.load_sweep(SWEEPS / name, checkpoints=tmp_path)
+    sweep = payload_sweep.load_sweep(SWEEPS / name, checkpoints=tmp_path)
     for p in sweep.points:
         assert sweep.configs[p.run].handoff.variants == ["ilcp"]
         assert sweep.configs[p.run].run_dir == tmp_path / p.run
@@ -211,7 +203,7 @@ def test_shipped_sweeps_resolve(name, tmp_path):
 
 
 def test_the_facts_sweep_has_the_promised_points():
-    sweep = sweep_script.load_sweep(SWEEPS / "facts.yaml")
+    sweep = payload_sweep.load_sweep(SWEEPS / "facts.yaml")
     cfg = {p.name: sweep.configs[p.run] for p in sweep.points}
     dtype = {p.name: p.payload_dtype for p in sweep.points}
     assert all(c.data.task == "facts" and c.data.facts_value_split == "train" for c in sweep.configs.values())
@@ -243,7 +235,7 @@ def test_the_facts_sweep_has_the_promised_points():
     assert cfg["codec4-128-int8"] is codec and dtype["codec4-128-int8"] == "int8"
     assert sweep.eval.tasks == ("facts-heldout",) and sweep.eval.facts_counts == (1, 8)
     assert sweep.out == Path("results/sweep-facts") and sweep.checkpoints == Path("checkpoints/sweep-facts")
-    limited = sweep_script.load_sweep(SWEEPS / "facts.yaml", limit=20)
+    limited = payload_sweep.load_sweep(SWEEPS / "facts.yaml", limit=20)
     assert (limited.eval.limit, limited.eval.facts_count_limit) == (20, 20)
 
 
@@ -299,7 +291,7 @@ def test_bad_sweep_files_are_value_errors_naming_the_problem(tmp_path, change, m
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**BASE, **change}))
     with pytest.raises(ValueError, match=message):
-        sweep_script.load_sweep(path)
+        payload_sweep.load_sweep(path)
 
 
 def test_override_forms_and_a_reference_without_weights(tmp_path):
@@ -310,12 +302,12 @@ def test_override_forms_and_a_reference_without_weights(tmp_path):
         "points": [{"name": "a", "overrides": {"compressor.latent_dim": 12, "compressor.pooling": "mean",
                                                "handoff.finetune_encoder": False}}],
     }))
-    sweep = sweep_script.load_sweep(path, extra=["handoff.batch_size=2"])
+    sweep = payload_sweep.load_sweep(path, extra=["handoff.batch_size=2"])
     cfg = sweep.configs["a"]
     assert (cfg.compressor.beta, cfg.handoff.max_steps, cfg.handoff.batch_size) == (0.2, 3, 2)
     assert (cfg.compressor.latent_dim, cfg.compressor.pooling, cfg.handoff.finetune_encoder) == (12, "mean", False)
     assert sweep.reference.run is None and list(sweep.configs) == ["a"]
-    assert sweep_script.eval_entries(sweep)[0].run == "a"
+    assert payload_sweep.eval_entries(sweep)[0].run == "a"
 
 
 def test_selection_rows_needing_weights_train_them_on_the_reference_run(tmp_path):
@@ -325,38 +317,43 @@ def test_selection_rows_needing_weights_train_them_on_the_reference_run(tmp_path
         "reference": {"methods": ["cold_read"]},
         "selection": {"methods": ["rclc:qsnap:r4:tuned", "rclc:qsnap:r1:tuned", "rclc:qsnap:r4"]},
     }))
-    sweep = sweep_script.load_sweep(path)
+    sweep = payload_sweep.load_sweep(path)
     assert sweep.reference.run == "reference" and list(sweep.configs["reference"].handoff.variants) == [
         "cold_read_tuned"]
-    entry = sweep_script.eval_entries(sweep)[-1]
+    entry = payload_sweep.eval_entries(sweep)[-1]
     assert (entry.label, entry.kind, entry.run) == ("selection", "selection", "reference")
-    settings = sweep_script._entry_settings(sweep, entry)
+    settings = payload_sweep._entry_settings(sweep, entry)
     assert (settings.tasks, settings.limit, settings.facts_counts) == (("babi:2",), 50, ())
-    assert sweep_script.load_sweep(path, limit=5).selection.limit == 5  # --limit sets it too
+    assert payload_sweep.load_sweep(path, limit=5).selection.limit == 5  # --limit sets it too
     raw = yaml.safe_load(path.read_text())
     raw["selection"].update(tasks=[], limit=0)
     path.write_text(yaml.safe_dump(raw))
-    assert sweep_script.load_sweep(path).selection == sweep_script.Selection(
+    assert payload_sweep.load_sweep(path).selection == payload_sweep.Selection(
         methods=("rclc:qsnap:r4:tuned", "rclc:qsnap:r1:tuned", "rclc:qsnap:r4"), tasks=(), limit=None)
 
 
 def test_the_command_line_rejects_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        sweep_script.main(["--sweep", str(SWEEPS / "tiny.yaml"), "--limit", "0"])
+        payload_sweep.main(["--sweep", str(SWEEPS / "tiny.yaml"), "--limit", "0"])
     assert "--limit" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        sweep_script.main(["--sweep", str(tmp_path / "missing.yaml")])
+        payload_sweep.main(["--sweep", str(tmp_path / "missing.yaml")])
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        sweep_script.main(["--sweep", str(SWEEPS / "tiny.yaml"), "--set", "nonsense"])
+        payload_sweep.main(["--sweep", str(SWEEPS / "tiny.yaml"), "--set", "nonsense"])
     assert "key=value" in capsys.readouterr().err
 
 
+def test_the_script_is_the_package_command_line():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep.py"), "--help"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--sweep SWEEP" in done.stdout and "The sweep file (YAML" in done.stdout
+
+
 def test_eval_py_takes_the_payload_dtype():
-    spec = importlib.util.spec_from_file_location("eval_script_for_sweep", REPO / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    parser = module.build_parser()
+    parser = build_eval_parser()  # eval.py's parser
     assert parser.parse_args(["--ckpt", "x"]).payload_dtype == "float32"
     assert parser.parse_args(["--ckpt", "x", "--payload-dtype", "int8"]).payload_dtype == "int8"
     with pytest.raises(SystemExit):

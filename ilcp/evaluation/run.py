@@ -1,12 +1,17 @@
 """`evaluate`: every method of the protocol on the run's task (and held-out tasks), with latency.
 
+    from ilcp.eval_config import EvalConfig
     from ilcp.evaluation.run import evaluate
-    results = evaluate("checkpoints/default", tasks=["babi:2"], limit=200, out="results/default")
+    results = evaluate("checkpoints/default", EvalConfig(tasks=["babi:2"], limit=200, out="results/default"))
+    results = evaluate("checkpoints/default", tasks=["babi:2"], limit=200)   # the same fields as keywords
+
+The settings are one `EvalConfig`; `evaluate` opens the run (`open_session`) and runs the parts
+below as separate functions over it, in this order.
 
 The run's training task and its settings come from its config.json (``task``, ``task_settings``:
 the facts task is rebuilt with the run's number of facts, distractors and seed; bAbI tasks read
 the ``en`` test file). For each task (the run's training task, test split, plus the ``tasks``
-given) and each method:
+given) and each method (`evaluate_task`):
 1. accuracy, batched: the method builds the receiver prefixes of every row, one greedy decoder
    answers them; exact match and contains on the normalised first line, token F1, 95% Wilson
    intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions
@@ -16,12 +21,14 @@ given) and each method:
    warm-up request): sender time (`HandoffMethod.send`), receiver time to first token (its
    `receive` plus the prefill of `decode_one`), and the handoff time, their sum.
 With ``engine="vllm"`` step 1 decodes the same prefixes through a vLLM engine too (`.decoders`):
-each method's metrics gain the vLLM answers' accuracy and their agreement with the HF decoder's.
+each method's metrics gain the vLLM answers' accuracy and their agreement with the HF decoder's
+(summed over every task and method by `engine_agreement`).
 With ``throughput_batches`` the receiver's decode is benchmarked in questions per second at those
-batch sizes (ilcp and cold_read; HF, and vLLM with that engine).
+batch sizes (ilcp and cold_read; HF, and vLLM with that engine: `throughput_table`).
 Then the receiver's time to first token against context length on the facts task (no_context,
-cold_read, ilcp), and, for a run trained on the facts task, accuracy against the number of facts
-in the context (ilcp, prompt_tuned, cold_read_tuned). The result dict is written as
+cold_read, ilcp: `context_length_sweep`), and, for a run trained on the facts task, accuracy
+against the number of facts in the context (ilcp, prompt_tuned, cold_read_tuned:
+`facts_count_sweep`). The result dict is written as
 results.json, results.md and PNG plots when ``out`` is given (`ilcp.evaluation.report`).
 """
 
@@ -33,7 +40,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,19 +50,22 @@ from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
-from ..precision import autocast, check_precision, resolve
+from ..precision import autocast, resolve
 from ..babilong import is_babilong_name, length_label, parse_babilong_name
 from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
                      make_facts)
 from ..io import atomic_write_text
-from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, require_vllm
+from ..engines.vllm import VLLMDecoder, require_vllm
+from ..eval_config import EvalConfig
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
 from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N
-from .methods import DEFAULT_METHODS
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import accuracy_summary, latency_summary, write_report
 
-__all__ = ["DEFAULT_LIMIT", "DEFAULT_THROUGHPUT_N", "TaskSpec", "evaluate", "parse_task", "time_request"]
+__all__ = ["DEFAULT_FACTS_COUNTS", "DEFAULT_LATENCY_N", "DEFAULT_LENGTHS", "DEFAULT_LIMIT",
+           "DEFAULT_THROUGHPUT_N", "EvalConfig", "EvalSession", "TaskSpec", "context_length_sweep",
+           "engine_agreement", "evaluate", "evaluate_task", "facts_count_sweep", "open_session", "parse_task",
+           "start_engine", "throughput_table", "time_request"]
 
 LENGTH_METHODS = ("no_context", "cold_read", "ilcp")
 FACTS_COUNT_METHODS = ("ilcp", "prompt_tuned", "cold_read_tuned")
@@ -303,12 +313,6 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
 # the evaluation
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
 def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
     if isinstance(names, str):
         names = [n for n in names.split(",") if n.strip()]
@@ -332,102 +336,48 @@ def _resolve_tasks(train_task: str, extra: Sequence[str]) -> list[TaskSpec]:
     return list({s.name: s for s in specs}.values())
 
 
-def evaluate(
-    ckpt: str | os.PathLike,
-    *,
-    tasks: Sequence[str] = (),
-    methods: Sequence[str] = DEFAULT_METHODS,
-    limit: int | None = DEFAULT_LIMIT,
-    latency_n: int = DEFAULT_LATENCY_N,
-    batch_size: int = 8,
-    max_new_tokens: int = 8,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    length_n: int = 3,
-    facts_counts: Sequence[int] = DEFAULT_FACTS_COUNTS,
-    facts_count_limit: int = 50,
-    seed: int = 0,
-    out: str | os.PathLike | None = None,
-    lm: LM | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = False,
-    log: Callable[[str], None] | None = None,
-    payload_dtype: str = "float32",
-    engine: str = "hf",
-    throughput_batches: Sequence[int] = (),
-    throughput_n: int = DEFAULT_THROUGHPUT_N,
-    vllm_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-    vllm: VLLMDecoder | None = None,
-    precision: str | None = None,
-) -> dict:
-    """Evaluate the methods of a trained run; returns the results dict (and writes it to ``out``).
+@dataclass
+class EvalSession:
+    """What the parts of one evaluation share: its settings, the run, the LM, the methods bound to
+    them and the vLLM engine (`open_session` builds it; `evaluate` passes it to each part)."""
 
-    Args:
-        ckpt: the run directory (``checkpoints/RUN``).
-        tasks: tasks besides the run's own training task ("babi:N", "facts"), reported separately
-            and marked held out unless they are the training task.
-        methods: method names and groups (`ilcp.evaluation.registry.make_method`); those whose
-            weights the run lacks are skipped with a note in ``results["skipped"]``.
-        limit: questions per task (the first ones of the test split); None or 0 for all.
-        latency_n: requests timed per method and task (unbatched; 0 skips latency).
-        batch_size: greedy-decoding batch size of the accuracy pass.
-        max_new_tokens: answer token budget.
-        lengths: target context lengths in tokens for the time-to-first-token sweep (empty: none).
-        length_n: requests per length and method in that sweep.
-        facts_counts: numbers of facts for the accuracy sweep of a facts-trained run (empty: none).
-        facts_count_limit: questions per number of facts in that sweep.
-        seed: the seed of the facts contexts in the context-length sweep.
-        out: directory for results.json, results.md and the plots; None writes nothing.
-        lm: the run's LM already loaded (else loaded from config.json's spec).
-        device: where a loaded LM runs (default: CUDA when available, else the CPU).
-        progress: show tqdm progress bars.
-        log: called with progress lines (eval.py passes ``print``); None is silent.
-        payload_dtype: dtype of the ilcp latent on the wire: float32, float16, bfloat16 or int8
-            (`ILCPHandoff`); wire and tensor bytes are those of the packed payload.
-        engine: "hf" (the HF greedy decoder) or "vllm": every method's prefixes are decoded by
-            the HF decoder and through one vLLM engine, and each method's metrics gain a
-            ``"vllm"`` entry (exact match, contains, F1, agreement with HF; or ``"unavailable"``
-            and why). Latency and the sweeps stay on the HF decoder.
-        throughput_batches: batch sizes of the receiver-throughput benchmark (questions per
-            second of the decode of `THROUGHPUT_METHODS`' prefixes, HF and, with engine="vllm",
-            vLLM: `receiver_throughput`), on the first ``throughput_n`` questions of the first
-            task; empty: no benchmark.
-        vllm_kv_cache_bytes: the vLLM engine's KV cache.
-        vllm: a `VLLMDecoder` on ``lm`` to use instead of starting an engine (engine="vllm").
-        precision: compute precision of the HF forwards (`ilcp.precision`: "32-true",
-            "bf16-mixed" or "auto"); default the one the run trained at (config.json
-            ``lm.precision``). The vLLM engine computes in its own dtype.
+    config: EvalConfig
+    ckpt: Path
+    run_config: dict  # the run's config.json
+    lm: LM
+    precision: str  # resolved: "32-true" or "bf16-mixed"
+    handoff: ILCPHandoff | None  # None: the run has no ilcp encoder
+    asked: list[str]  # every method asked for, groups expanded
+    methods: list[HandoffMethod]  # those bound to the run, in the order asked
+    skipped: dict[str, str]  # method -> why it does not run
+    tasks: list[TaskSpec]  # the run's training task(s) first
+    trained_on: set[str]
+    facts_settings: dict | None  # the run's facts task settings when a facts task is evaluated
+    vllm: VLLMDecoder | None = None
+    engine_info: dict | None = None
+    say: Callable[[str], None] = lambda message: None
 
-    Raises:
-        ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
-            task is asked of a run whose config.json records no facts settings (``task_settings``).
-        ValueError: an unknown method, task or engine, or a bad number.
-        ImportError: engine="vllm" without vLLM installed (the message names .venv-vllm).
-        RuntimeError: the vLLM engine did not start.
+    def methods_named(self, names: Sequence[str]) -> list[HandoffMethod]:
+        """The bound methods among ``names``, in the order asked."""
+        return [m for m in self.methods if m.name in names]
+
+
+def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None = None,
+                 vllm: VLLMDecoder | None = None, log: Callable[[str], None] | None = None) -> EvalSession:
+    """Check the run and the names in ``config``, then load the LM (unless given), the run's modules
+    and, with engine="vllm", the engine; bind every method the run has weights for.
+
+    Everything that can be checked without the LM is checked before it loads. Raises as `evaluate`.
     """
     say = log or (lambda message: None)
-    t_start = time.perf_counter()
-    # Everything that can be checked without the LM is checked first.
-    limit = None if limit in (None, 0) else _check_int("limit", limit, 1)
-    for name, value, low in (("latency_n", latency_n, 0), ("batch_size", batch_size, 1),
-                             ("max_new_tokens", max_new_tokens, 1), ("length_n", length_n, 1),
-                             ("facts_count_limit", facts_count_limit, 1),
-                             ("seed", seed, 0), ("throughput_n", throughput_n, 1),
-                             ("vllm_kv_cache_bytes", vllm_kv_cache_bytes, 1)):
-        _check_int(name, value, low)
-    throughput_batches = [_check_int("throughput_batches", v, 1) for v in throughput_batches]
-    require_engine(engine)
-    if precision is not None:
-        check_precision(precision)
-    lengths = [_check_int("lengths", v, 1) for v in lengths]
-    facts_counts = [_check_int("facts_counts", v, 1) for v in facts_counts]
+    require_engine(config.engine)
     ckpt = Path(ckpt)
-    config = read_config(ckpt)
-    chosen = _resolve_methods(methods)
-    task_specs = _resolve_tasks(config["task"], tasks)
-    trained_on = {s.name for s in _training_tasks(config["task"])}
-    train_task = "+".join(s.name for s in task_specs if s.name in trained_on)
-    facts_settings = _facts_settings(config, ckpt) if any(spec.is_facts for spec in task_specs) else None
-    files = config.get("files", {})
+    run_config = read_config(ckpt)
+    chosen = _resolve_methods(config.methods)
+    task_specs = _resolve_tasks(run_config["task"], config.tasks)
+    trained_on = {s.name for s in _training_tasks(run_config["task"])}
+    facts_settings = _facts_settings(run_config, ckpt) if any(spec.is_facts for spec in task_specs) else None
+    files = run_config.get("files", {})
     skipped: dict[str, str] = {}
     runnable = []
     for m in chosen:
@@ -440,30 +390,17 @@ def evaluate(
 
     # The LM and the run's modules.
     if lm is None:
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        say(f"loading LM {config['lm']['spec']!r} ({config['lm'].get('dtype', 'float32')}, {dev})")
-        lm = load_lm(config["lm"]["spec"], dtype=config["lm"].get("dtype", "float32"), device=dev)
-    fingerprint = lm.fingerprint
-    check_fingerprint(config, fingerprint)
+        dev = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        say(f"loading LM {run_config['lm']['spec']!r} ({run_config['lm'].get('dtype', 'float32')}, {dev})")
+        lm = load_lm(run_config["lm"]["spec"], dtype=run_config["lm"].get("dtype", "float32"), device=dev)
+    check_fingerprint(run_config, lm.fingerprint)
     run = read_export(ckpt)
-    precision = resolve(precision or str(config["lm"].get("precision", "32-true")), lm.device)
+    precision = resolve(config.precision or str(run_config["lm"].get("precision", "32-true")), lm.device)
     say(f"compute precision {precision}")
-    handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype, precision=precision)
+    handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=config.payload_dtype, precision=precision)
                if run.encoder is not None else None)
-    ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=max_new_tokens)
-    engine_info = None
-    if engine == "vllm":
-        t0 = time.perf_counter()
-        if vllm is None:
-            folder = Path(out) / "vllm" if out is not None else Path(tempfile.mkdtemp(prefix="ilcp-vllm-"))
-            vllm = start_vllm(lm, folder, kv_cache_bytes=vllm_kv_cache_bytes, log=say)
-        elif not isinstance(vllm, VLLMDecoder) or vllm.lm is not lm:
-            raise ValueError("vllm must be an ilcp.engines.vllm.VLLMDecoder on the LM the evaluation uses")
-        engine_info = {"vllm_version": getattr(require_vllm(), "__version__", None),
-                       "dtype": str(vllm.dtype).removeprefix("torch."),
-                       "max_model_len": vllm.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
-    else:
-        vllm = None
+    ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=config.max_new_tokens)
+    vllm, engine_info = start_engine(config, lm, vllm=vllm, log=say)
     bound = []
     for m in runnable:
         try:
@@ -472,83 +409,157 @@ def evaluate(
         except MethodUnavailable as e:
             skipped[m.name] = str(e)
             say(f"skipping {m.name}: {e}")
+    return EvalSession(config=config, ckpt=ckpt, run_config=run_config, lm=lm, precision=precision, handoff=handoff,
+                       asked=[m.name for m in chosen], methods=bound, skipped=skipped, tasks=task_specs,
+                       trained_on=trained_on, facts_settings=facts_settings, vllm=vllm, engine_info=engine_info,
+                       say=say)
 
+
+def start_engine(config: EvalConfig, lm: LM, *, vllm: VLLMDecoder | None = None,
+                 log: Callable[[str], None] | None = None) -> tuple[VLLMDecoder | None, dict | None]:
+    """With engine="vllm": the engine (``vllm`` when given, else one started on ``lm``, its files in
+    OUT/vllm or a temporary folder) and what results.json records of it; (None, None) otherwise."""
+    if config.engine != "vllm":
+        return None, None
+    t0 = time.perf_counter()
+    if vllm is None:
+        out = config.out
+        folder = Path(out) / "vllm" if out is not None else Path(tempfile.mkdtemp(prefix="ilcp-vllm-"))
+        vllm = start_vllm(lm, folder, kv_cache_bytes=config.vllm_kv_cache_bytes, log=log or (lambda message: None))
+    elif not isinstance(vllm, VLLMDecoder) or vllm.lm is not lm:
+        raise ValueError("vllm must be an ilcp.engines.vllm.VLLMDecoder on the LM the evaluation uses")
+    info = {"vllm_version": getattr(require_vllm(), "__version__", None),
+            "dtype": str(vllm.dtype).removeprefix("torch."),
+            "max_model_len": vllm.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
+    return vllm, info
+
+
+def evaluate(
+    ckpt: str | os.PathLike,
+    config: EvalConfig | None = None,
+    *,
+    lm: LM | None = None,
+    vllm: VLLMDecoder | None = None,
+    log: Callable[[str], None] | None = None,
+    **settings,
+) -> dict:
+    """Evaluate the methods of a trained run; returns the results dict (and writes it to ``config.out``).
+
+    The parts run in this order, every forward inside the run's compute precision: accuracy and
+    latency per task (`evaluate_task`), the vLLM engine's agreement with HF (`engine_agreement`),
+    the receiver-throughput table (`throughput_table`), the context-length sweep
+    (`context_length_sweep`) and the facts-count sweep (`facts_count_sweep`).
+
+    Args:
+        ckpt: the run directory (``checkpoints/RUN``).
+        config: the settings (`ilcp.eval_config.EvalConfig`, whose fields say what each does);
+            None builds one from ``settings``.
+        lm: the run's LM already loaded (else loaded from config.json's spec, on ``config.device``).
+        vllm: a `VLLMDecoder` on ``lm`` to use instead of starting an engine (engine="vllm").
+        log: called with progress lines (eval.py logs them); None is silent.
+        **settings: `EvalConfig` fields (``methods=["ilcp"], limit=8``), replacing those of
+            ``config`` when one is given.
+
+    With engine="vllm" every method's prefixes are decoded by the HF decoder and through one vLLM
+    engine, and each method's metrics gain a ``"vllm"`` entry (exact match, contains, F1,
+    agreement with HF; or ``"unavailable"`` and why); latency and the sweeps stay on the HF
+    decoder. The default precision is the one the run trained at (config.json ``lm.precision``);
+    the vLLM engine computes in its own dtype.
+
+    Raises:
+        ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
+            task is asked of a run whose config.json records no facts settings (``task_settings``).
+        ValueError: an unknown method, task or engine, or a bad number.
+        TypeError: a keyword that is not an `EvalConfig` field.
+        ImportError: engine="vllm" without vLLM installed (the message names .venv-vllm).
+        RuntimeError: the vLLM engine did not start.
+    """
+    t_start = time.perf_counter()
+    if config is None:
+        config = EvalConfig(**settings)
+    elif settings:
+        config = replace(config, **settings)
+    elif not isinstance(config, EvalConfig):
+        raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
+    session = open_session(ckpt, config, lm=lm, vllm=vllm, log=log)
+    lm = session.lm
     results: dict = {
-        "run": {"path": str(ckpt), "lm_spec": config["lm"]["spec"], "fingerprint": fingerprint,
-                "train_task": train_task, "latent_dim": config.get("latent_dim"),
-                "num_memory_tokens": config.get("num_memory_tokens")},
-        "settings": {"limit": limit, "latency_n": latency_n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                     "intervals": "wilson", "seed": seed, "methods": [m.name for m in chosen],
-                     "tasks": [s.name for s in task_specs], "device": str(lm.device), "engine": engine,
-                     "precision": precision, "torch_threads": torch.get_num_threads()},
-        "vllm": engine_info,
+        "run": {"path": str(session.ckpt), "lm_spec": session.run_config["lm"]["spec"],
+                "fingerprint": lm.fingerprint,
+                "train_task": "+".join(s.name for s in session.tasks if s.name in session.trained_on),
+                "latent_dim": session.run_config.get("latent_dim"),
+                "num_memory_tokens": session.run_config.get("num_memory_tokens")},
+        "settings": {"limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,
+                     "max_new_tokens": config.max_new_tokens, "intervals": "wilson", "seed": config.seed,
+                     "methods": session.asked, "tasks": [s.name for s in session.tasks], "device": str(lm.device),
+                     "engine": config.engine, "precision": session.precision,
+                     "torch_threads": torch.get_num_threads()},
+        "vllm": session.engine_info,
         "tasks": {},
-        "skipped": skipped,
+        "skipped": session.skipped,
     }
-    with autocast(precision, lm.device):  # every forward of every method at the run's precision
-        predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
-
-        for spec in task_specs:
-            rows, available, source = _task_rows(spec, limit, facts_settings, lm.tokenizer)
-            seen = spec.name in trained_on
-            say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
-                f"questions, {len(bound)} methods")
-            task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
-                           "limit": limit, "methods": {}}
-            predictions[spec.name] = (rows, {}, {})
-            for m in bound:
-                t0 = time.perf_counter()
-                metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                                       progress=progress, desc=f"{spec.name} {m.name} accuracy", vllm=vllm)
-                t1 = time.perf_counter()
-                metrics["latency"] = _latency(m, rows[:latency_n], max_new_tokens, progress, f"{spec.name} {m.name} latency")
-                metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
-                task_result["methods"][m.name] = metrics
-                predictions[spec.name][1][m.name] = preds
-                if vllm_preds is not None:
-                    predictions[spec.name][2][m.name] = vllm_preds
-                say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
-                    f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
-                    f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
-                    f"{metrics['seconds']['latency']:.0f}s latency)")
-                if "vllm" in metrics:
-                    v = metrics["vllm"]
-                    say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
-                                           f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
-                                           f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
-            results["tasks"][spec.name] = task_result
-
-        results["agreement"] = _agreement_summary(results["tasks"]) if engine == "vllm" else None
-        results["throughput"] = None
-        if throughput_batches:
-            spec = task_specs[0]
-            tp_methods = [m for m in bound if m.name in THROUGHPUT_METHODS]
-            if tp_methods:
-                tp_rows = _task_rows(spec, throughput_n, facts_settings, lm.tokenizer)[0]
-                say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in tp_methods)}, {len(tp_rows)} "
-                    f"questions, batches {throughput_batches}" + (", HF and vLLM" if vllm is not None else ", HF"))
-                results["throughput"] = {"task": spec.name, **receiver_throughput(
-                    tp_methods, tp_rows, throughput_batches, max_new_tokens=max_new_tokens, decoder=vllm, log=say)}
-
-        results["context_length"] = _length_sweep(
-            [m for m in bound if m.name in LENGTH_METHODS], lm, lengths, length_n, max_new_tokens, seed, progress, say)
-        if results["context_length"] is not None:
-            results["context_length"]["ilcp_pooled_max_length"] = handoff.max_length if handoff is not None else None
-        if config["task"] == "facts" and facts_counts:
-            results["facts_count"] = _facts_count_sweep(
-                [m for m in bound if m.name in FACTS_COUNT_METHODS], facts_counts, facts_count_limit, facts_settings,
-                batch_size, max_new_tokens, progress, say)
-        else:
-            results["facts_count"] = None
+    predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
+    with autocast(session.precision, lm.device):  # every forward of every method at the run's precision
+        for spec in session.tasks:
+            results["tasks"][spec.name], predictions[spec.name] = evaluate_task(session, spec)
+        results["agreement"] = engine_agreement(session, results["tasks"])
+        results["throughput"] = throughput_table(session)
+        results["context_length"] = context_length_sweep(session)
+        results["facts_count"] = facts_count_sweep(session)
     results["seconds"] = round(time.perf_counter() - t_start, 1)
-    if out is not None:
-        write_report(results, out)
-        _write_predictions(Path(out), predictions)
+    if config.out is not None:
+        write_report(results, config.out)
+        _write_predictions(Path(config.out), predictions)
     return results
 
 
-def _agreement_summary(tasks: dict) -> dict:
-    """Agreement of the vLLM and HF answers over every question of every method that ran on both."""
+def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[list[dict], dict, dict]]:
+    """Accuracy (batched, HF and with engine="vllm" vLLM too) and latency (unbatched, the first
+    ``latency_n`` rows) of every bound method on one task's test split.
+
+    Returns:
+        (the task's entry of results["tasks"], (rows, HF predictions by method, vLLM predictions by
+        method)) for predictions.jsonl.
+    """
+    cfg, say = session.config, session.say
+    rows, available, source = _task_rows(spec, cfg.limit, session.facts_settings, session.lm.tokenizer)
+    seen = spec.name in session.trained_on
+    say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
+        f"questions, {len(session.methods)} methods")
+    task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
+                   "limit": cfg.limit, "methods": {}}
+    by_method: dict[str, list[str]] = {}
+    by_method_vllm: dict[str, list[str]] = {}
+    for m in session.methods:
+        t0 = time.perf_counter()
+        metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                                               progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
+                                               vllm=session.vllm)
+        t1 = time.perf_counter()
+        metrics["latency"] = _latency(m, rows[:cfg.latency_n], cfg.max_new_tokens, cfg.progress,
+                                      f"{spec.name} {m.name} latency")
+        metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
+        task_result["methods"][m.name] = metrics
+        by_method[m.name] = preds
+        if vllm_preds is not None:
+            by_method_vllm[m.name] = vllm_preds
+        say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
+            f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
+            f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
+            f"{metrics['seconds']['latency']:.0f}s latency)")
+        if "vllm" in metrics:
+            v = metrics["vllm"]
+            say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
+                                   f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
+                                   f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
+    return task_result, (rows, by_method, by_method_vllm)
+
+
+def engine_agreement(session: EvalSession, tasks: dict) -> dict | None:
+    """With engine="vllm": the agreement of the vLLM and HF answers over every question of every
+    method that ran on both (``tasks``: results["tasks"]); None otherwise."""
+    if session.config.engine != "vllm":
+        return None
     same = total = 0
     unavailable = {}
     for task, t in tasks.items():
@@ -563,30 +574,54 @@ def _agreement_summary(tasks: dict) -> dict:
             "unavailable": unavailable}
 
 
+def throughput_table(session: EvalSession) -> dict | None:
+    """With ``throughput_batches``: the receiver's decode in questions per second of
+    `THROUGHPUT_METHODS` at those batch sizes, on the first ``throughput_n`` questions of the first
+    task, HF and (with the engine) vLLM; None without batches or without those methods."""
+    cfg, say = session.config, session.say
+    if not cfg.throughput_batches:
+        return None
+    spec = session.tasks[0]
+    methods = session.methods_named(THROUGHPUT_METHODS)
+    if not methods:
+        return None
+    rows = _task_rows(spec, cfg.throughput_n, session.facts_settings, session.lm.tokenizer)[0]
+    say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in methods)}, {len(rows)} "
+        f"questions, batches {cfg.throughput_batches}" + (", HF and vLLM" if session.vllm is not None else ", HF"))
+    return {"task": spec.name, **receiver_throughput(methods, rows, cfg.throughput_batches,
+                                                     max_new_tokens=cfg.max_new_tokens, decoder=session.vllm,
+                                                     log=say)}
+
+
 def _fmt(point, ci) -> str:
     if point is None:
         return "-"
     return f"{100 * point:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else f"{100 * point:.1f}%"
 
 
-def _length_sweep(methods: list[HandoffMethod], lm: LM, lengths: Sequence[int], n: int, max_new_tokens: int,
-                  seed: int, progress: bool, say) -> dict | None:
-    """Receiver time to first token on facts contexts of about each target length."""
+def context_length_sweep(session: EvalSession) -> dict | None:
+    """Receiver time to first token of `LENGTH_METHODS` on facts contexts of about each of
+    ``lengths`` tokens (``length_n`` requests each, contexts seeded by ``seed``); None without
+    lengths or without those methods."""
+    cfg, say = session.config, session.say
+    methods = session.methods_named(LENGTH_METHODS)
+    lengths, n, max_new_tokens = cfg.lengths, cfg.length_n, cfg.max_new_tokens
     if not methods or not lengths:
         return None
     say(f"context-length sweep: {', '.join(m.name for m in methods)} at {list(lengths)} tokens, {n} requests each")
+    tokenizer = session.lm.tokenizer
     rows_out = []
     warmed = set()
     for target in lengths:
-        settings = facts_for_length(target, lm.tokenizer)
-        rows = make_facts(n, split="test", seed=seed, **settings).to_list()
-        tokens = sum(count_tokens(r["context"], lm.tokenizer) for r in rows) / len(rows)
+        settings = facts_for_length(target, tokenizer)
+        rows = make_facts(n, split="test", seed=cfg.seed, **settings).to_list()
+        tokens = sum(count_tokens(r["context"], tokenizer) for r in rows) / len(rows)
         for m in methods:
             if m.name not in warmed:
                 time_request(m, rows[0], max_new_tokens=max_new_tokens)
                 warmed.add(m.name)
             timed = [time_request(m, r, max_new_tokens=max_new_tokens)
-                     for r in tqdm(rows, desc=f"length {target} {m.name}", disable=not progress, leave=False)]
+                     for r in tqdm(rows, desc=f"length {target} {m.name}", disable=not cfg.progress, leave=False)]
             rows_out.append({
                 "method": m.name, "target_tokens": target, "context_tokens": tokens, **settings,
                 "prefill_positions": sum(t.prefill_positions for t in timed) / len(timed),
@@ -597,15 +632,22 @@ def _length_sweep(methods: list[HandoffMethod], lm: LM, lengths: Sequence[int], 
             })
         say(f"  ~{tokens:.0f} tokens: " + ", ".join(
             f"{r['method']} TTFT {1000 * r['receiver_ttft_s']['p50']:.0f} ms" for r in rows_out if r["target_tokens"] == target))
-    return {"targets": list(lengths), "requests_per_point": n, "rows": rows_out}
+    return {"targets": list(lengths), "requests_per_point": n, "rows": rows_out,
+            "ilcp_pooled_max_length": session.handoff.max_length if session.handoff is not None else None}
 
 
-def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: int, settings: dict,
-                       batch_size: int, max_new_tokens: int, progress: bool, say) -> dict | None:
-    """Accuracy on facts contexts with 1, 2, 4, ... facts (the run's distractor count); a run trained
-    on training values only is asked held-out values, so the sweep measures reading."""
+def facts_count_sweep(session: EvalSession) -> dict | None:
+    """For a run trained on the facts task: accuracy of `FACTS_COUNT_METHODS` on facts contexts with
+    each of ``facts_counts`` facts (the run's distractor count, ``facts_count_limit`` questions
+    each); a run trained on training values only is asked held-out values, so the sweep measures
+    reading. None for another run, without counts or without those methods."""
+    cfg, say = session.config, session.say
+    if session.run_config["task"] != "facts" or not cfg.facts_counts:
+        return None
+    methods = session.methods_named(FACTS_COUNT_METHODS)
     if not methods:
         return None
+    counts, n, settings = cfg.facts_counts, cfg.facts_count_limit, session.facts_settings
     say(f"facts-count sweep: {', '.join(m.name for m in methods)} at {list(counts)} facts, {n} questions each")
     rows_out = []
     for count in counts:
@@ -613,8 +655,8 @@ def _facts_count_sweep(methods: list[HandoffMethod], counts: Sequence[int], n: i
         rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
                           split="test", **heldout).to_list()
         for m in methods:
-            metrics, _, _ = _accuracy(m, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                   progress=progress, desc=f"{count} facts {m.name}")
+            metrics, _, _ = _accuracy(m, rows, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                                      progress=cfg.progress, desc=f"{count} facts {m.name}")
             rows_out.append({"method": m.name, "n_facts": count, "n_distractors": settings["n_distractors"],
                              **{k: metrics[k] for k in ("n", "exact_match", "exact_match_ci", "contains", "contains_ci", "f1")}})
         say(f"  {count} facts: " + ", ".join(

@@ -1,0 +1,116 @@
+"""Typed evaluation settings: what `ilcp.evaluation.run.evaluate` measures and how.
+
+    from ilcp.eval_config import EvalConfig
+    cfg = EvalConfig(tasks=["babi:2"], limit=50, lengths=[], out="results/default")
+
+Every field carries its help text (``field(metadata={"help": ...})``) and `__post_init__` checks
+the values, so a bad setting is a one-line ValueError before any model loads. This module imports
+only the standard library and `ilcp.names` (``ilcp-eval`` builds it before torch is imported);
+the method and task names are resolved by `evaluate`, which knows every family.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
+                    DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS)
+
+DEFAULT_VLLM_KV_CACHE_BYTES = 1 << 30  # ilcp.engines.vllm.DEFAULT_KV_CACHE_BYTES
+
+
+def _f(default, help: str):
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _names(value, name: str) -> list[str]:
+    """A list of names from a list of them or one comma-separated string."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    try:
+        items = list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of names or a comma-separated string, got {value!r}") from None
+    return items
+
+
+def _int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _ints(name: str, value, low: int) -> list[int]:
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a list of ints >= {low}, got {value!r}")
+    try:
+        items = list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of ints >= {low}, got {value!r}") from None
+    return [_int(name, v, low) for v in items]
+
+
+@dataclass
+class EvalConfig:
+    tasks: list = _f([], "tasks besides the run's own training task ('babi:N', 'facts', 'facts-heldout', "
+                         "'babilong:N:LENGTH'), reported separately and marked held out unless trained on")
+    methods: list = _f(list(DEFAULT_METHODS), "method names and groups (ilcp.evaluation.registry.make_method); those "
+                                              "whose weights the run lacks are skipped with a note")
+    limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the test split (None or 0: all)")
+    latency_n: int = _f(DEFAULT_LATENCY_N, "requests timed one at a time per method and task (0: no latency)")
+    batch_size: int = _f(8, "greedy-decoding batch size of the accuracy pass")
+    max_new_tokens: int = _f(8, "answer token budget")
+    lengths: list = _f(list(DEFAULT_LENGTHS), "target context lengths in tokens of the time-to-first-token sweep "
+                                              "(empty: no sweep)")
+    length_n: int = _f(3, "requests per length and method in the context-length sweep")
+    facts_counts: list = _f(list(DEFAULT_FACTS_COUNTS), "numbers of facts of the accuracy sweep of a facts-trained "
+                                                        "run (empty: no sweep)")
+    facts_count_limit: int = _f(50, "questions per number of facts in the facts-count sweep")
+    seed: int = _f(0, "seed of the facts contexts in the context-length sweep")
+    out: str | os.PathLike | None = _f(None, "folder for results.json, results.md, predictions.jsonl and the plots "
+                                             "(None: nothing written)")
+    device: str | None = _f(None, "where a loaded LM runs (default: cuda when available, else cpu)")
+    progress: bool = _f(False, "show progress bars")
+    payload_dtype: str = _f("float32", "dtype of the ilcp latent on the wire: float32, float16, bfloat16 or int8 "
+                                       "(wire and tensor bytes are those of the packed payload)")
+    engine: str = _f("hf", "the receiver's decoder: 'hf', or 'vllm' (every prefix decoded by HF and through one "
+                           "vLLM engine, with both engines' accuracy and their agreement)")
+    throughput_batches: list = _f([], "batch sizes of the receiver-throughput benchmark: questions per second of "
+                                      "the decode of ilcp's and cold_read's prefixes, HF and (engine=vllm) vLLM "
+                                      "(empty: none)")
+    throughput_n: int = _f(DEFAULT_THROUGHPUT_N, "questions of the first task decoded per throughput cell")
+    vllm_kv_cache_bytes: int = _f(DEFAULT_VLLM_KV_CACHE_BYTES, "the vLLM engine's KV cache in bytes")
+    precision: str | None = _f(None, "compute precision of the HF forwards: 32-true, bf16-mixed or auto (None: the "
+                                     "one the run trained at)")
+
+    def __post_init__(self):
+        self.tasks = _names(self.tasks, "tasks")
+        self.methods = _names(self.methods, "methods")
+        if not self.methods:
+            raise ValueError("no methods given")
+        bad = [m for m in self.tasks + self.methods if not isinstance(m, str)]
+        if bad:
+            raise ValueError(f"tasks and methods must be names (strings), got {bad[0]!r}")
+        self.limit = None if self.limit in (None, 0) else _int("limit", self.limit, 1)
+        for name, low in (("latency_n", 0), ("batch_size", 1), ("max_new_tokens", 1), ("length_n", 1),
+                          ("facts_count_limit", 1), ("seed", 0), ("throughput_n", 1), ("vllm_kv_cache_bytes", 1)):
+            _int(name, getattr(self, name), low)
+        self.throughput_batches = _ints("throughput_batches", self.throughput_batches, 1)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        self.lengths = _ints("lengths", self.lengths, 1)
+        self.facts_counts = _ints("facts_counts", self.facts_counts, 1)
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ValueError(f"payload_dtype must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each field's help text, by name."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
