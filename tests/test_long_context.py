@@ -104,3 +104,16 @@ def test_a_run_configured_to_truncate_says_so(tmp_path, tiny_lm, caplog):
         handoff.send(_context(tiny_lm, 40))
     with pytest.raises(ValueError, match="data.max_length must be >= 0"):
         load_config(TINY, ["data.max_length=-1"])
+
+
+def test_eval_reports_the_contexts_the_ilcp_sender_cut(tmp_path, tiny_lm):
+    from ilcp.evaluation.run import evaluate
+
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "data.max_length=24",
+                             "handoff.variants=[ilcp]"])
+    run_dir = train(cfg, lm=tiny_lm).run_dir
+    res = evaluate(run_dir, methods=["ilcp"], limit=6, latency_n=0, lengths=[], lm=tiny_lm, out=tmp_path / "eval")
+    task = res["tasks"]["babi:1"]
+    assert task["ilcp_max_length"] == 24 and 0 < task["ilcp_truncated"] <= 6
+    assert task["context_tokens"]["max"] > 24
+    assert "longer than the ilcp export's max_length of 24 tokens" in (tmp_path / "eval" / "results.md").read_text()

@@ -221,6 +221,18 @@ def _engine_sections(results: dict) -> list[str]:
     return out
 
 
+def _context_note(task: dict) -> str:
+    """The contexts' length, and how many the ilcp sender cut to its export's max_length."""
+    tokens = task.get("context_tokens")
+    if not tokens:
+        return ""
+    note = f"; contexts of {tokens['mean']:.0f} tokens on average, {tokens['max']} at most"
+    if task.get("ilcp_truncated"):
+        note += (f"; {task['ilcp_truncated']} longer than the ilcp export's max_length of {task['ilcp_max_length']} "
+                 "tokens (the sender read their last tokens)")
+    return note
+
+
 def markdown_report(results: dict) -> str:
     """The human-readable report of an `evaluate` result."""
     s = results["settings"]
@@ -247,7 +259,8 @@ def markdown_report(results: dict) -> str:
     for task, t in results["tasks"].items():
         seen = "seen in training" if t["seen_in_training"] else "held out (not seen in training)"
         out += [f"## {task} ({seen})", "",
-                f"{t['source']}; n = {t['n']} of {t['available']} questions (limit {t['limit'] or 'none'}).", ""]
+                f"{t['source']}; n = {t['n']} of {t['available']} questions (limit {t['limit'] or 'none'})"
+                + _context_note(t) + ".", ""]
         out += _method_table(t["methods"], t["limit"]) + [""]
     sweep = results.get("context_length")
     if sweep and sweep.get("rows"):

@@ -39,6 +39,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +51,7 @@ from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
+from ..pooling import context_lengths
 from ..precision import autocast, resolve
 from ..babilong import is_babilong_name, length_label, parse_babilong_name
 from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
@@ -528,16 +530,27 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
         f"questions, {len(session.methods)} methods")
     task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
                    "limit": cfg.limit, "methods": {}}
+    lengths = context_lengths(session.lm.tokenizer, [r["context"] for r in rows]) if rows else [0]
+    task_result["context_tokens"] = {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)}
+    if session.handoff is not None:  # the ilcp sender reads at most the export's max_length tokens
+        cut = sum(n > session.handoff.max_length for n in lengths)
+        task_result["ilcp_max_length"], task_result["ilcp_truncated"] = session.handoff.max_length, cut
+        if cut:
+            say(f"  {cut} of {len(rows)} contexts are longer than the export's max_length of "
+                f"{session.handoff.max_length} tokens: the ilcp sender reads their last tokens")
     by_method: dict[str, list[str]] = {}
     by_method_vllm: dict[str, list[str]] = {}
     for m in session.methods:
         t0 = time.perf_counter()
-        metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-                                               progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
-                                               vllm=session.vllm)
-        t1 = time.perf_counter()
-        metrics["latency"] = _latency(m, rows[:cfg.latency_n], cfg.max_new_tokens, cfg.progress,
-                                      f"{spec.name} {m.name} latency")
+        with warnings.catch_warnings():  # counted once above, not warned per context
+            warnings.filterwarnings("ignore", message=".*longer than this export's max_length.*")
+            metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size,
+                                                   max_new_tokens=cfg.max_new_tokens,
+                                                   progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
+                                                   vllm=session.vllm)
+            t1 = time.perf_counter()
+            metrics["latency"] = _latency(m, rows[:cfg.latency_n], cfg.max_new_tokens, cfg.progress,
+                                          f"{spec.name} {m.name} latency")
         metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
         task_result["methods"][m.name] = metrics
         by_method[m.name] = preds
