@@ -31,9 +31,10 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
-from .names import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS  # noqa: F401  (ilcp.export reads POOLING_KINDS here)
+from .names import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS  # noqa: F401  (the kinds ilcp.memory_kinds registers)
 from .pooling import AttentionPooler, ConcatPooler, masked_mean_pool
 from .projector import GatedLatentToMemoryProjector
+from .prompts import MEMORY_PLACEMENTS
 
 Pooler = AttentionPooler | ConcatPooler
 
@@ -47,6 +48,9 @@ class ILCPEncoder(nn.Module):
         pooler: learned attention pooling over token states, a `ConcatPooler` (chunks only:
             the chunk's token states side by side), or None for the masked mean.
         chunk_tokens: C > 0: one latent per chunk of C tokens; 0: one latent per context.
+        placement, vocabulary_snap, snap_temperature, snap_metric: how the receiver reads the
+            memory (see `configure_receiver`).
+        format_prompt: learned vectors the receiver reads before its whole prompt, or None.
 
     Raises:
         ValueError: the parts do not fit together (widths).
@@ -55,7 +59,9 @@ class ILCPEncoder(nn.Module):
     reads_context_text = False
 
     def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None = None,
-                 pooler: Pooler | None = None, chunk_tokens: int = 0):
+                 pooler: Pooler | None = None, chunk_tokens: int = 0, *, placement: str = "prefix",
+                 format_prompt: FormatPrompt | None = None, vocabulary_snap: str = "none",
+                 snap_temperature: float = 0.02, snap_metric: str = "cosine"):
         super().__init__()
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be an int >= 0, got {chunk_tokens!r}")
@@ -69,9 +75,8 @@ class ILCPEncoder(nn.Module):
             raise ValueError(f"the projector reads {projector.latent_dim} floats, the VAE gives {vae.latent_dim}")
         self.vae, self.projector, self.pooler = vae, projector, pooler
         self.encoder_frozen = False
-        self.placement = "prefix"  # where the receiver reads the memory (`ilcp.prompts.memory_prompt`)
-        self.format_prompt: FormatPrompt | None = None  # learned vectors before the whole prompt
-        self.vocabulary_snap, self.snap_temperature, self.snap_metric = "none", 0.02, "cosine"  # `snap_to_vocabulary`
+        self.format_prompt: FormatPrompt | None = format_prompt  # learned vectors before the whole prompt
+        self.configure_receiver(placement, vocabulary_snap, snap_temperature, snap_metric)
         self._vocabulary: tuple[Tensor, Tensor] | None = None  # (the LM's embedding rows, 1 / their norms)
 
     # -------------------------------------------------------------------------- description
@@ -138,6 +143,24 @@ class ILCPEncoder(nn.Module):
         return self.encode(states, attention_mask)[0]
 
     # ---------------------------------------------------------------------------- receiver
+
+    @property
+    def placement(self) -> str:
+        """Where the receiver reads the memory: "prefix" or "in_prompt" (`ilcp.prompts.memory_prompt`)."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: str) -> None:
+        if placement not in MEMORY_PLACEMENTS:
+            raise ValueError(f"memory placement must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")
+        self._placement = placement
+
+    def configure_receiver(self, placement: str = "prefix", vocabulary_snap: str = "none",
+                           snap_temperature: float = 0.02, snap_metric: str = "cosine") -> None:
+        """How the receiver reads the memory: where (`placement`) and whether snapped to the LM's
+        vocabulary (`set_vocabulary_snap`). The format prompt, which holds weights, is set apart."""
+        self.placement = placement
+        self.set_vocabulary_snap(vocabulary_snap, snap_temperature, snap_metric)
 
     def set_vocabulary_snap(self, mode: str, temperature: float = 0.02, metric: str = "cosine") -> None:
         """Whether `memory` replaces each projected vector by the LM's token embeddings it is

@@ -15,6 +15,10 @@ This module is the only place that names state-dict keys: `encoder_state` / `loa
 for an `ILCPEncoder`, `soft_prompt_state` / `load_soft_prompt` for a `ConstantMemory`, and
 `trained_state` / `load_trained_state` for either (training's stage files use them too).
 
+The encoder's entries of config.json (sizes, pooling, placement, snap) are one typed dataclass,
+`ilcp.encoder_config.EncoderSpec`, which writes, checks and rebuilds them; the rest (LM, files,
+digests, format version) is the run's and is checked here.
+
 Only trained modules are written, never the frozen LM. Every file is written atomically, and
 config.json last, so a directory with a config.json holds a complete export. Reading never
 unpickles (safetensors only), and `check_fingerprint` refuses an export made for another LM.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,15 +37,13 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from . import __version__
-from .compressor import BetaVAE
-from .encoder import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS, ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
+from .encoder import ConstantMemory, ILCPEncoder, MemorySource
+from .encoder_config import EncoderSpec, ExportError
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from .pooling import AttentionPooler, ConcatPooler
-from .prompts import MEMORY_PLACEMENTS
-from .projector import GatedLatentToMemoryProjector
+from .memory_kinds import config_value, pooling_kinds
 
 EXPORT_FORMAT = "ilcp-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = EncoderSpec.VERSION
 BASELINES = ("prompt_tuned", "cold_read_tuned", "selection_tuned")  # the soft-prompt variants
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -51,10 +52,6 @@ CARD_FILE = "README.md"
 # the state-dict prefixes of the exported files
 _PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler", "format": "format_prompt"}
 _SOFT_PROMPT = "soft_prompt"
-
-
-class ExportError(ValueError):
-    """An export directory is missing, incomplete, or made for another LM."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,28 +141,8 @@ def load_trained_state(source: MemorySource, state: dict[str, Tensor], *, origin
 
 
 def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
-    """The config.json entries that rebuild `encoder` (see `build_encoder`)."""
-    vae, projector = encoder.vae, encoder._projector()
-    pooling = {"kind": encoder.pooling, "layers": [int(i) for i in layers], "max_length": int(max_length)}
-    if encoder.pooling == "attention":
-        pooling["num_queries"] = encoder.pooler.num_queries
-    if encoder.chunked:
-        pooling["chunk_tokens"] = encoder.chunk_tokens
-    placement = {"memory_placement": encoder.placement} if encoder.placement != "prefix" else {}
-    if encoder.format_prompt is not None:
-        placement["format_vectors"] = encoder.format_prompt.num_vectors
-    if encoder.vocabulary_snap != "none":
-        placement["vocabulary_snap"] = {"mode": encoder.vocabulary_snap, "temperature": encoder.snap_temperature,
-                                        "metric": encoder.snap_metric}
-    return {
-        **placement,
-        "latent_dim": vae.latent_dim,
-        "num_memory_tokens": projector.num_memory_tokens,
-        "compressor": {"input_dim": vae.input_dim, "hidden_dim": vae.hidden_dim, "beta": vae.beta},
-        "projector": {"hidden": projector.hidden},
-        "pooling": pooling,
-        "normalisation": f"{MODEL_FILE}: compressor.input_mean, compressor.input_std (train split)",
-    }
+    """The config.json entries that rebuild `encoder` (`EncoderSpec.to_config`; see `build_encoder`)."""
+    return EncoderSpec.from_encoder(encoder, layers, max_length).to_config()
 
 
 def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true") -> Path:
@@ -249,7 +226,10 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     atomic_save_safetensors(encoder_state(encoder), path / MODEL_FILE, {"format": "pt"})
     config = json.loads(json.dumps(config))
     pooling = config.get("pooling", {})
-    config.update(encoder_config(encoder, layers=pooling.get("layers", [-1]), max_length=pooling.get("max_length", 512)))
+    layers, max_length = pooling.get("layers", [-1]), pooling.get("max_length", 512)
+    for key in EncoderSpec.config_keys():  # the encoder's entries are written anew: none of the old one's stays
+        config.pop(key, None)
+    config.update(encoder_config(encoder, layers=layers, max_length=max_length))
     config["files"] = {"ilcp": MODEL_FILE}
     config["digests"] = {MODEL_FILE: file_digest(path / MODEL_FILE)}
     config["package_version"] = __version__
@@ -284,36 +264,19 @@ def _check_save_target(path: Path) -> None:
 
 
 def pooling_kind(config: dict) -> str:
-    """The export's pooling kind, "mean", "attention" or "concat"."""
+    """The export's pooling kind, one a registered memory kind reads ("mean", "attention", "concat")."""
     kind = config.get("pooling", {}).get("kind", "mean")
-    if kind not in POOLING_KINDS:
-        raise ExportError(f"unknown pooling kind {kind!r} in config.json (this package reads {', '.join(POOLING_KINDS)})")
+    if kind not in pooling_kinds():
+        raise ExportError(f"unknown pooling kind {kind!r} in config.json "
+                          f"(this package reads {', '.join(pooling_kinds())})")
     return kind
 
 
-def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, source: str = "the weights") -> ILCPEncoder:
-    """The `ILCPEncoder` an export's config describes, with `state`'s weights when given, in eval mode."""
-    pooling = config.get("pooling", {})
-    c = config["compressor"]
-    pooler, kind = None, pooling_kind(config)
-    dim = config["lm"]["hidden_size"] * len(pooling.get("layers", [-1]))
-    if kind == "attention":
-        pooler = AttentionPooler(dim, int(pooling["num_queries"]))
-    elif kind == "concat":
-        pooler = ConcatPooler(dim, int(pooling.get("chunk_tokens", 0)))
-    encoder = ILCPEncoder(
-        BetaVAE(c["input_dim"], config["latent_dim"], c["hidden_dim"], c["beta"]),
-        GatedLatentToMemoryProjector(config["latent_dim"], config["num_memory_tokens"], config["lm"]["hidden_size"],
-                                     config["projector"]["hidden"]),
-        pooler,
-        chunk_tokens=int(pooling.get("chunk_tokens", 0)),
-    )
-    encoder.placement = config.get("memory_placement", "prefix")
-    if config.get("format_vectors"):
-        encoder.format_prompt = FormatPrompt(torch.zeros(int(config["format_vectors"]), config["lm"]["hidden_size"]))
-    if "vocabulary_snap" in config:
-        snap = config["vocabulary_snap"]
-        encoder.set_vocabulary_snap(snap["mode"], snap["temperature"], snap.get("metric", "cosine"))
+def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, source: str = "the weights",
+                  where: str | Path = CONFIG_FILE) -> ILCPEncoder:
+    """The `ILCPEncoder` an export's config describes (`EncoderSpec.from_config(config).build`),
+    with `state`'s weights when given, in eval mode."""
+    encoder = EncoderSpec.from_config(config, where).build(config["lm"]["hidden_size"])
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -373,19 +336,10 @@ def read_config(path: str | Path) -> dict:
 
 
 def _field(config: dict, dotted: str, kind, where: Path, *, minimum=None, required: bool = True):
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            if not required:
-                return None
-            raise ExportError(f"{where}: missing {dotted!r}")
-        node = node[part]
-    ok = (isinstance(node, kind) and not isinstance(node, bool)) if kind in (int, float, (int, float)) else isinstance(node, kind)
-    if not ok or (isinstance(node, float) and not math.isfinite(node)):
-        raise ExportError(f"{where}: {dotted!r} must be {getattr(kind, '__name__', 'a number')}, got {node!r}")
-    if minimum is not None and node < minimum:
-        raise ExportError(f"{where}: {dotted!r} must be >= {minimum}, got {node!r}")
-    return node
+    try:
+        return config_value(config, dotted, kind, minimum=minimum, required=required)
+    except ValueError as e:
+        raise ExportError(f"{where}: {e}") from None
 
 
 def _check_schema(config: dict, where: Path) -> None:
@@ -407,37 +361,7 @@ def _check_schema(config: dict, where: Path) -> None:
     if digests is not None and not all(isinstance(v, str) for v in digests.values()):
         raise ExportError(f"{where}: digests must map file names to sha256 hex strings")
     if "ilcp" in files:
-        _field(config, "latent_dim", int, where, minimum=1)
-        _field(config, "compressor.input_dim", int, where, minimum=1)
-        _field(config, "compressor.hidden_dim", int, where, minimum=1)
-        _field(config, "compressor.beta", (int, float), where, minimum=0)
-        _field(config, "projector.hidden", int, where, minimum=1)
-        layers = _field(config, "pooling.layers", list, where)
-        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-            raise ExportError(f"{where}: 'pooling.layers' must be a non-empty list of ints, got {layers!r}")
-        _field(config, "pooling.max_length", int, where, minimum=1)
-        try:
-            kind = pooling_kind(config)
-        except ExportError as e:
-            raise ExportError(f"{where}: {e}") from None
-        if kind == "attention":
-            _field(config, "pooling.num_queries", int, where, minimum=1)
-        _field(config, "pooling.chunk_tokens", int, where, minimum=1 if kind == "concat" else 0,
-               required=kind == "concat")
-        _field(config, "format_vectors", int, where, minimum=0, required=False)
-        if "vocabulary_snap" in config:
-            _field(config, "vocabulary_snap", dict, where)
-            mode = _field(config, "vocabulary_snap.mode", str, where)
-            if mode not in VOCABULARY_SNAPS:
-                raise ExportError(f"{where}: 'vocabulary_snap.mode' must be one of {list(VOCABULARY_SNAPS)}, got {mode!r}")
-            if not _field(config, "vocabulary_snap.temperature", (int, float), where) > 0:
-                raise ExportError(f"{where}: 'vocabulary_snap.temperature' must be > 0")
-            metric = _field(config, "vocabulary_snap.metric", str, where, required=False)
-            if metric is not None and metric not in SNAP_METRICS:
-                raise ExportError(f"{where}: 'vocabulary_snap.metric' must be one of {list(SNAP_METRICS)}, got {metric!r}")
-        placement = config.get("memory_placement", "prefix")
-        if placement not in MEMORY_PLACEMENTS:
-            raise ExportError(f"{where}: 'memory_placement' must be one of {list(MEMORY_PLACEMENTS)}, got {placement!r}")
+        EncoderSpec.from_config(config, where)
 
 
 def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Tensor]:
@@ -466,7 +390,7 @@ def read_export(path: str | Path) -> ExportedRun:
     for name, fname in config["files"].items():
         state = _read_weights(path, fname, digests)
         if name == "ilcp":
-            run.encoder = build_encoder(config, state, source=str(path / fname))
+            run.encoder = build_encoder(config, state, source=str(path / fname), where=path / CONFIG_FILE)
         else:
             shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
             run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)

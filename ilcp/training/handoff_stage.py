@@ -64,8 +64,7 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
             attach_projector(encoder, cfg, lm)
         if not cfg.finetune_encoder:
             encoder.freeze_encoder()
-        encoder.placement = cfg.memory_placement
-        encoder.set_vocabulary_snap(cfg.vocabulary_snap, cfg.snap_temperature, cfg.snap_metric)
+        encoder.configure_receiver(cfg.memory_placement, cfg.vocabulary_snap, cfg.snap_temperature, cfg.snap_metric)
         encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)
         if cfg.format_from:
             encoder.format_prompt = FormatPrompt(format_vectors_from(cfg.format_from, lm, trained), trainable=False)

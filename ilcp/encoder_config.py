@@ -1,0 +1,199 @@
+"""The exported encoder settings: one typed, versioned dataclass that writes and reads config.json.
+
+    spec = EncoderSpec.from_encoder(encoder, layers=[-1], max_length=512)
+    config.update(spec.to_config())                        # the encoder's entries of config.json
+    spec = EncoderSpec.from_config(config, "run/config.json")  # checked; ExportError names file and entry
+    encoder = spec.build(hidden_size=576)                  # untrained, ready for the export's weights
+
+Every setting is one field whose metadata names its config.json entry (dotted, "compressor.beta")
+and its checks, so a new setting is one line here. The memory kind (`ilcp.memory_kinds`: pooled,
+chunked or codec) owns its own entries of the ``pooling`` object. `EncoderSpec.VERSION` is the
+export's ``format_version``: a new optional setting with a default keeps it (older exports read
+the default); a setting whose meaning changes raises it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from .compressor import BetaVAE
+from .encoder import FormatPrompt, ILCPEncoder
+from .memory_kinds import MemoryKind, config_value, memory_kind_for, memory_kind_of
+from .names import SNAP_METRICS, VOCABULARY_SNAPS
+from .projector import GatedLatentToMemoryProjector
+from .prompts import MEMORY_PLACEMENTS
+
+__all__ = ["EncoderSpec", "ExportError", "NORMALISATION"]
+
+NORMALISATION = "model.safetensors: compressor.input_mean, compressor.input_std (train split)"
+
+
+class ExportError(ValueError):
+    """An export directory is missing, incomplete, or made for another LM."""
+
+
+def setting(key: str, default=MISSING, *, minimum=None, above=None, choices=None, omit_default: bool = False,
+            written_with: str | None = None, optional: bool = False):
+    """A field of `EncoderSpec` written as config.json entry `key`.
+
+    Args:
+        default: the value when the entry is absent (only where absence is allowed).
+        minimum, above: the value must be >= minimum, > above; choices: one of these.
+        omit_default: absent from config.json when equal to the default (a top-level entry may
+            then be absent; one inside an object is required when its object is there).
+        written_with: written exactly when the named field is written (an entry of its object).
+        optional: may be absent whatever else is there (an entry older exports lack).
+    """
+    meta = {"key": key, "minimum": minimum, "above": above, "choices": choices, "omit_default": omit_default,
+            "written_with": written_with, "optional": optional}
+    return field(default=default, metadata=meta)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": list}
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Every exported setting of an `ILCPEncoder` (the LM's hidden size belongs to the run's ``lm``)."""
+
+    VERSION: ClassVar[int] = 1
+
+    latent_dim: int = setting("latent_dim", minimum=1)  # Z, the floats of one latent
+    num_memory_tokens: int = setting("num_memory_tokens", minimum=1)  # K, memory vectors per latent
+    input_dim: int = setting("compressor.input_dim", minimum=1)  # the VAE's input width
+    hidden_dim: int = setting("compressor.hidden_dim", minimum=1)  # the VAE's body width
+    beta: float = setting("compressor.beta", minimum=0)  # the KL weight
+    projector_hidden: int = setting("projector.hidden", minimum=1)  # the projector's trunk width
+    layers: tuple[int, ...] = setting("pooling.layers")  # hidden-state layers read, concatenated
+    max_length: int = setting("pooling.max_length", minimum=1)  # context tokens the sender reads
+    memory: MemoryKind = setting("pooling")  # the memory kind and its own settings (`ilcp.memory_kinds`)
+    memory_placement: str = setting("memory_placement", "prefix", choices=MEMORY_PLACEMENTS, omit_default=True)
+    format_vectors: int = setting("format_vectors", 0, minimum=0, omit_default=True)
+    vocabulary_snap: str = setting("vocabulary_snap.mode", "none", choices=VOCABULARY_SNAPS, omit_default=True)
+    snap_temperature: float = setting("vocabulary_snap.temperature", 0.02, above=0, written_with="vocabulary_snap")
+    snap_metric: str = setting("vocabulary_snap.metric", "cosine", choices=SNAP_METRICS,
+                               written_with="vocabulary_snap", optional=True)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if f.name == "memory":
+                if not isinstance(value, MemoryKind):
+                    raise ValueError(f"memory must be the settings of a registered memory kind, got {value!r}")
+            elif f.name == "layers":
+                if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+                    raise ValueError(f"'pooling.layers' must be a non-empty list of ints, got {list(value)!r}")
+                object.__setattr__(self, "layers", tuple(value))
+            else:
+                _check(meta["key"], value, _TYPES[f.type], meta)
+
+    # ------------------------------------------------------------------------------ config.json
+
+    def to_config(self) -> dict:
+        """The encoder's entries of config.json (`from_config` reads them back)."""
+        config: dict = {}
+        written = set()
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if f.name == "memory":
+                _put(config, "pooling", value.pooling_entries())
+                continue
+            if meta["omit_default"] and value == f.default:
+                continue
+            if meta["written_with"] is not None and meta["written_with"] not in written:
+                continue
+            _put(config, meta["key"], list(value) if isinstance(value, tuple) else value)
+            written.add(f.name)
+        config["normalisation"] = NORMALISATION
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, where: str | Path = "config.json") -> EncoderSpec:
+        """The settings of an export's config.json, checked.
+
+        Raises:
+            ExportError: one line naming `where` and the entry (missing, of the wrong type, out of range).
+        """
+        try:
+            values = {}
+            for f in fields(cls):
+                meta = f.metadata
+                if f.name == "memory":
+                    values["memory"] = memory_kind_for(config["pooling"])
+                    continue
+                # an entry inside an object (vocabulary_snap.mode) is required when its object is there
+                parent = meta["key"].rpartition(".")[0]
+                absent_ok = f.default is not MISSING and (
+                    meta["optional"] or (parent not in config if parent else meta["omit_default"]))
+                value = config_value(config, meta["key"], _TYPES[f.type], required=not absent_ok, default=MISSING)
+                if value is not MISSING:
+                    values[f.name] = tuple(value) if isinstance(value, list) else value
+            return cls(**values)
+        except ValueError as e:
+            raise ExportError(f"{where}: {e}") from None
+
+    @classmethod
+    def config_keys(cls) -> set[str]:
+        """The top-level config.json keys `to_config` may write."""
+        return {f.metadata["key"].split(".")[0] for f in fields(cls)} | {"normalisation"}
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder, layers, max_length: int) -> EncoderSpec:
+        """The settings of an encoder with its projector, which reads hidden-state `layers` of
+        contexts of up to `max_length` tokens."""
+        vae, projector = encoder.vae, encoder._projector()
+        return cls(
+            latent_dim=vae.latent_dim, num_memory_tokens=projector.num_memory_tokens, input_dim=vae.input_dim,
+            hidden_dim=vae.hidden_dim, beta=vae.beta, projector_hidden=projector.hidden,
+            layers=tuple(int(i) for i in layers), max_length=int(max_length), memory=memory_kind_of(encoder),
+            memory_placement=encoder.placement,
+            format_vectors=encoder.format_prompt.num_vectors if encoder.format_prompt is not None else 0,
+            vocabulary_snap=encoder.vocabulary_snap, snap_temperature=encoder.snap_temperature,
+            snap_metric=encoder.snap_metric,
+        )
+
+    # ------------------------------------------------------------------------------ the module
+
+    def build(self, hidden_size: int) -> ILCPEncoder:
+        """An untrained `ILCPEncoder` of these settings for an LM of `hidden_size` (format vectors zero)."""
+        # the pooler first, then the VAE and the projector: the order training builds them in,
+        # so a build draws the same random numbers wherever it runs
+        pooler = self.memory.pooler(hidden_size * len(self.layers))
+        vae = BetaVAE(self.input_dim, self.latent_dim, self.hidden_dim, self.beta)
+        projector = GatedLatentToMemoryProjector(self.latent_dim, self.num_memory_tokens, hidden_size,
+                                                 self.projector_hidden)
+        format_prompt = FormatPrompt(torch.zeros(self.format_vectors, hidden_size)) if self.format_vectors else None
+        return self.memory.encoder(vae, projector, pooler, placement=self.memory_placement,
+                                   format_prompt=format_prompt, vocabulary_snap=self.vocabulary_snap,
+                                   snap_temperature=self.snap_temperature, snap_metric=self.snap_metric)
+
+
+def _check(key: str, value, kind, meta) -> None:
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"{key!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
+    if meta["minimum"] is not None and value < meta["minimum"]:
+        raise ValueError(f"{key!r} must be >= {meta['minimum']}, got {value!r}")
+    if meta["above"] is not None and not value > meta["above"]:
+        raise ValueError(f"{key!r} must be > {meta['above']}, got {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{key!r} must be one of {list(meta['choices'])}, got {value!r}")
+
+
+def _put(config: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    if isinstance(value, dict):
+        node.setdefault(last, {}).update(value)
+    else:
+        node[last] = value

@@ -1,0 +1,278 @@
+"""Memory kinds: how an `ILCPEncoder` turns the sender's token states into the latents it sends.
+
+Each kind is one frozen settings dataclass registered once under its name. The kind owns its
+entries of config.json's ``pooling`` object (reading, checking, writing them) and builds its
+pooler; the export schema (`ilcp.encoder_config.EncoderSpec`) finds a config's kind here.
+
+- ``pooled``: one latent per context, the masked mean of its token states (``pooling.kind``
+  "mean") or the learned queries of an `AttentionPooler` ("attention", ``pooling.num_queries``).
+- ``chunked``: one latent per chunk of C consecutive tokens (``pooling.chunk_tokens`` = C), each
+  chunk pooled as above: a context of S tokens sends ceil(S / C) latents.
+- ``codec``: chunks of C tokens whose states the VAE reads side by side (``pooling.kind``
+  "concat", `ConcatPooler`); with K = C memory vectors per latent, read in the prompt as tokens.
+
+A new kind (a long-context memory, say) is one new module:
+
+    @register_memory_kind
+    @dataclass(frozen=True)
+    class RecurrentMemory(MemoryKind):
+        name: ClassVar[str] = "recurrent"
+        pooling_kinds: ClassVar[tuple[str, ...]] = ("recurrent",)
+        state_slots: int = 4
+        ...  # claims, from_pooling, pooling_entries, from_encoder, pooler (and encoder, for a new module)
+
+and one import line at the end of this file, so that reading an export finds it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .compressor import BetaVAE
+from .encoder import ILCPEncoder, Pooler
+from .pooling import AttentionPooler, ConcatPooler
+from .projector import GatedLatentToMemoryProjector
+
+__all__ = ["MemoryKind", "register_memory_kind", "memory_kinds", "pooling_kinds", "memory_kind_for",
+           "memory_kind_of", "config_value"]
+
+
+def config_value(config: dict, dotted: str, kind, *, minimum=None, required: bool = True, default=None):
+    """The entry ``dotted`` ("pooling.num_queries") of a config.json object, of type `kind` (int,
+    float for any finite number, str, dict, list; a bool is never a number), at least `minimum`.
+
+    Raises:
+        ValueError: one line naming the entry; a missing entry only when `required` (else `default`).
+    """
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if not required:
+                return default
+            raise ValueError(f"missing {dotted!r}")
+        node = node[part]
+    if kind in (int, float):
+        ok = isinstance(node, (int, float) if kind is float else int) and not isinstance(node, bool)
+    else:
+        ok = isinstance(node, kind)
+    if not ok or (isinstance(node, float) and not math.isfinite(node)):
+        raise ValueError(f"{dotted!r} must be {'a number' if kind is float else kind.__name__}, got {node!r}")
+    if minimum is not None and node < minimum:
+        raise ValueError(f"{dotted!r} must be >= {minimum}, got {node!r}")
+    return node
+
+
+@dataclass(frozen=True)
+class MemoryKind:
+    """The settings of one memory kind; subclasses are frozen dataclasses, registered once.
+
+    Class attributes: ``name`` (the registry's key) and ``pooling_kinds`` (the values of
+    ``pooling.kind`` the kind reads).
+    """
+
+    name: ClassVar[str]
+    pooling_kinds: ClassVar[tuple[str, ...]]
+
+    @property
+    def chunk_tokens(self) -> int:
+        """C > 0: one latent per chunk of C tokens; 0: one latent per context."""
+        return 0
+
+    @classmethod
+    def claims(cls, pooling: dict) -> bool:
+        """Whether config.json's ``pooling`` object describes this kind (checked or not)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_pooling(cls, pooling: dict) -> MemoryKind:
+        """The settings a claimed ``pooling`` object holds. Raises ValueError naming the entry."""
+        raise NotImplementedError
+
+    def pooling_entries(self) -> dict:
+        """This kind's entries of config.json's ``pooling`` object ("kind" and its own settings)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder) -> MemoryKind | None:
+        """The settings of an encoder of this kind; None when the encoder is of another kind."""
+        raise NotImplementedError
+
+    def pooler(self, state_dim: int) -> Pooler | None:
+        """An untrained pooler for token states of width `state_dim` (None: the masked mean)."""
+        raise NotImplementedError
+
+    def encoder(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, pooler: Pooler | None,
+                **receiver) -> ILCPEncoder:
+        """The encoder module of this kind around its parts; `receiver` are the `ILCPEncoder`
+        receiver settings (placement, format_prompt, vocabulary_snap, ...)."""
+        return ILCPEncoder(vae, projector, pooler, chunk_tokens=self.chunk_tokens, **receiver)
+
+
+_KINDS: dict[str, type[MemoryKind]] = {}
+
+
+def register_memory_kind(cls: type[MemoryKind]) -> type[MemoryKind]:
+    """Class decorator: add a memory kind under ``cls.name`` (once)."""
+    if not (isinstance(cls, type) and issubclass(cls, MemoryKind)):
+        raise ValueError(f"a memory kind subclasses MemoryKind, got {cls!r}")
+    if cls.name in _KINDS and _KINDS[cls.name] is not cls:
+        raise ValueError(f"a memory kind named {cls.name!r} is already registered ({_KINDS[cls.name].__name__})")
+    _KINDS[cls.name] = cls
+    return cls
+
+
+def memory_kinds() -> dict[str, type[MemoryKind]]:
+    """Name -> settings class of every registered kind, in registration order."""
+    return dict(_KINDS)
+
+
+def pooling_kinds() -> tuple[str, ...]:
+    """Every ``pooling.kind`` value a registered kind reads, in registration order."""
+    return tuple(dict.fromkeys(p for cls in _KINDS.values() for p in cls.pooling_kinds))
+
+
+def memory_kind_for(pooling: dict) -> MemoryKind:
+    """The settings config.json's ``pooling`` object describes, checked.
+
+    Raises:
+        ValueError: no registered kind reads it, or an entry is missing or wrong (one line).
+    """
+    for cls in _KINDS.values():
+        if cls.claims(pooling):
+            return cls.from_pooling(pooling)
+    raise ValueError(f"unknown pooling kind {pooling.get('kind')!r} in config.json (this package reads "
+                     f"{', '.join(pooling_kinds())})")
+
+
+def memory_kind_of(encoder: ILCPEncoder) -> MemoryKind:
+    """The settings of an encoder's kind."""
+    for cls in _KINDS.values():
+        settings = cls.from_encoder(encoder)
+        if settings is not None:
+            return settings
+    raise ValueError(f"no registered memory kind builds an encoder that pools with {encoder.pooling!r} "
+                     f"and chunks of {encoder.chunk_tokens} tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# the built-in kinds
+
+
+@register_memory_kind
+@dataclass(frozen=True)
+class PooledMemory(MemoryKind):
+    """One latent per context: the masked mean of its token states, or `num_queries` learned
+    attention queries (the VAE then reads num_queries x D floats)."""
+
+    name: ClassVar[str] = "pooled"
+    pooling_kinds: ClassVar[tuple[str, ...]] = ("mean", "attention")
+
+    pooling: str = "mean"
+    num_queries: int = 0  # attention only
+
+    def __post_init__(self):
+        if self.pooling not in self.pooling_kinds:
+            raise ValueError(f"'pooling.kind' must be one of {list(self.pooling_kinds)} for {self.name} memory, "
+                             f"got {self.pooling!r}")
+        if self.pooling == "attention" and not self.num_queries >= 1:
+            raise ValueError(f"'pooling.num_queries' must be >= 1, got {self.num_queries!r}")
+
+    @classmethod
+    def claims(cls, pooling: dict) -> bool:
+        return pooling.get("kind", "mean") in cls.pooling_kinds and pooling.get("chunk_tokens") in (None, 0)
+
+    @classmethod
+    def _pooled_settings(cls, pooling: dict) -> dict:
+        kind = pooling.get("kind", "mean")
+        if kind != "attention":
+            return {"pooling": kind, "num_queries": 0}
+        return {"pooling": kind, "num_queries": config_value({"pooling": pooling}, "pooling.num_queries", int, minimum=1)}
+
+    @classmethod
+    def from_pooling(cls, pooling: dict) -> PooledMemory:
+        config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0, required=False)
+        return cls(**cls._pooled_settings(pooling))
+
+    def pooling_entries(self) -> dict:
+        return {"kind": self.pooling, **({"num_queries": self.num_queries} if self.pooling == "attention" else {})}
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder) -> PooledMemory | None:
+        if encoder.pooling not in cls.pooling_kinds or encoder.chunked:
+            return None
+        return cls(encoder.pooling, encoder.pooler.num_queries if encoder.pooling == "attention" else 0)
+
+    def pooler(self, state_dim: int) -> AttentionPooler | None:
+        return AttentionPooler(state_dim, self.num_queries) if self.pooling == "attention" else None
+
+
+@register_memory_kind
+@dataclass(frozen=True)
+class ChunkedMemory(PooledMemory):
+    """One latent per chunk of `chunk_tokens` consecutive tokens, each pooled as `PooledMemory`
+    pools a context, so the payload grows with the context."""
+
+    name: ClassVar[str] = "chunked"
+
+    chunk_tokens: int = 1  # C, tokens per chunk
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise ValueError(f"'pooling.chunk_tokens' must be >= 1, got {self.chunk_tokens!r}")
+
+    @classmethod
+    def claims(cls, pooling: dict) -> bool:
+        return pooling.get("kind", "mean") in cls.pooling_kinds and pooling.get("chunk_tokens") not in (None, 0)
+
+    @classmethod
+    def from_pooling(cls, pooling: dict) -> ChunkedMemory:
+        chunks = config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0)
+        return cls(**cls._pooled_settings(pooling), chunk_tokens=chunks)
+
+    def pooling_entries(self) -> dict:
+        return {**super().pooling_entries(), "chunk_tokens": self.chunk_tokens}
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder) -> ChunkedMemory | None:
+        if encoder.pooling not in cls.pooling_kinds or not encoder.chunked:
+            return None
+        return cls(encoder.pooling, encoder.pooler.num_queries if encoder.pooling == "attention" else 0,
+                   chunk_tokens=encoder.chunk_tokens)
+
+
+@register_memory_kind
+@dataclass(frozen=True)
+class CodecMemory(MemoryKind):
+    """Chunks of `chunk_tokens` tokens whose states the VAE reads side by side (a parameter-free
+    `ConcatPooler`), so a latent keeps which token stood where; trained with K = C and the token
+    loss, memory vector j reads as the chunk's j-th token."""
+
+    name: ClassVar[str] = "codec"
+    pooling_kinds: ClassVar[tuple[str, ...]] = ("concat",)
+
+    chunk_tokens: int = 1  # C, tokens per chunk
+
+    def __post_init__(self):
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise ValueError(f"'pooling.chunk_tokens' must be >= 1, got {self.chunk_tokens!r}")
+
+    @classmethod
+    def claims(cls, pooling: dict) -> bool:
+        return pooling.get("kind") in cls.pooling_kinds
+
+    @classmethod
+    def from_pooling(cls, pooling: dict) -> CodecMemory:
+        return cls(config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=1))
+
+    def pooling_entries(self) -> dict:
+        return {"kind": "concat", "chunk_tokens": self.chunk_tokens}
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder) -> CodecMemory | None:
+        return cls(encoder.chunk_tokens) if encoder.pooling == "concat" else None
+
+    def pooler(self, state_dim: int) -> ConcatPooler:
+        return ConcatPooler(state_dim, self.chunk_tokens)
