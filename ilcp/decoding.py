@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ilcp import compat
@@ -30,10 +31,11 @@ from ilcp.checks import positive_int
 
 __all__ = [
     "DecodeResult",
-    "decoded_answer",
+    "answer_loss_and_greedy",
     "assemble_prefix",
     "cut_answer",
     "decode_one",
+    "decoded_answer",
     "embed_text",
     "greedy_decode",
     "greedy_decode_ids",
@@ -210,14 +212,26 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
         **compat.logits_to_keep_kwargs(model, 1),
     )
     token = out.logits[:, -1, :].argmax(dim=-1)
-    first = token.tolist()  # synchronises with the device: the first token exists now
+    token.tolist()  # synchronises with the device: the first token exists now
     prefill_s = time.perf_counter() - start
-    batch = len(prefixes)
+    generated, counts = _greedy_steps(model, tokenizer, compat.output_cache(out), token, mask, positions[:, -1:],
+                                      max_new_tokens, stop_at_newline, stops)
+    return generated, counts, prefill_s, time.perf_counter() - start
+
+
+def _greedy_steps(model, tokenizer, cache, token, mask, position, max_new_tokens, stop_at_newline, stops):
+    """Greedy decoding after a prefill: ``token`` (B,) is the first generated token, ``cache`` the
+    prefill's key/value cache, ``mask`` (B, L) its attention mask and ``position`` (B, 1) the last
+    prefilled position of each row.
+
+    Returns (answer token ids per row without the stop token, tokens generated per row counting
+    the stop token)."""
+    embed = _embedding(model)
+    batch = token.shape[0]
     generated: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     counts = [0] * batch
-    step_tokens = first
-    position = positions[:, -1:]
+    step_tokens = token.tolist()
     for step in range(max_new_tokens):
         for i, t in enumerate(step_tokens):
             if done[i]:
@@ -231,7 +245,6 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
                 done[i] = True
         if all(done) or step == max_new_tokens - 1:
             break
-        cache = compat.output_cache(out)
         mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
         position = position + 1
         out = model(
@@ -241,9 +254,73 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
             use_cache=True,
             **compat.cache_kwargs(model, cache),
         )
+        cache = compat.output_cache(out)
         token = out.logits[:, -1, :].argmax(dim=-1)
         step_tokens = token.tolist()
-    return generated, counts, prefill_s, time.perf_counter() - start
+    return generated, counts
+
+
+def answer_loss_and_greedy(
+    model: nn.Module,
+    tokenizer,
+    prefixes: Sequence[torch.Tensor],
+    targets: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 8,
+    stop_at_newline: bool = False,
+) -> tuple[torch.Tensor, list[str]]:
+    """Both validation numbers of a batch from one prefill: the teacher-forced cross-entropy of
+    ``targets`` after their prefixes, and the greedy answers of the same prefixes.
+
+    The prefixes are left padded (so they end together) and each row's target ids follow its
+    prefix, right padded; one forward over that gives the target tokens' logits and a cache whose
+    first columns are the prefixes', from which greedy decoding goes on once the cache is cut back
+    to them.
+
+    Args:
+        prefixes: (L_i, H) receiver prefixes.
+        targets: the token ids expected after each prefix (the answer and its end token).
+
+    Returns:
+        (the mean cross-entropy over every target token, a float32 scalar; the answers as
+        `greedy_decode` returns them).
+    """
+    _check_decode_args(prefixes, max_new_tokens, 1)
+    if len(targets) != len(prefixes) or not all(len(t) > 0 for t in targets):
+        raise ValueError("give one non-empty list of target ids per prefix")
+    embed = _embedding(model)
+    device, dtype = embed.weight.device, embed.weight.dtype
+    with torch.no_grad():
+        inputs_embeds, mask, positions = left_pad(prefixes)
+        inputs_embeds = inputs_embeds.to(device=device, dtype=dtype)
+        mask, positions = mask.to(device), positions.to(device)
+        batch, width = mask.shape
+        n_targets = max(len(t) for t in targets)
+        target_ids = torch.zeros((batch, n_targets), dtype=torch.long, device=device)
+        target_mask = torch.zeros((batch, n_targets), dtype=mask.dtype, device=device)
+        labels = torch.full((batch, n_targets), -100, dtype=torch.long, device=device)
+        for i, t in enumerate(targets):
+            target_ids[i, :len(t)] = torch.tensor(list(t), dtype=torch.long, device=device)
+            target_mask[i, :len(t)] = 1
+            labels[i, :len(t)] = target_ids[i, :len(t)]
+        target_positions = positions[:, -1:] + 1 + torch.arange(n_targets, device=device)
+        cache = compat.new_dynamic_cache(model)
+        out = model(
+            inputs_embeds=torch.cat([inputs_embeds, embed(target_ids)], dim=1),
+            attention_mask=torch.cat([mask, target_mask], dim=1),
+            position_ids=torch.cat([positions, target_positions], dim=1),
+            use_cache=True,
+            **compat.cache_kwargs(model, cache),
+            **compat.logits_to_keep_kwargs(model, n_targets + 1),
+        )
+        logits = out.logits[:, :n_targets].float()  # position width - 1 + j predicts target j
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        cache = compat.output_cache(out)
+        compat.crop_cache(cache, width)
+        first = logits[:, 0].argmax(dim=-1)
+        ids, _ = _greedy_steps(model, tokenizer, cache, first, mask, positions[:, -1:], max_new_tokens,
+                               stop_at_newline, stop_token_ids(model, tokenizer))
+    return loss, [decoded_answer(tokenizer, row, stop_at_newline) for row in ids]
 
 
 def _check_decode_args(prefixes, max_new_tokens, batch_size):

@@ -11,6 +11,7 @@ from torch import nn
 from ilcp import compat
 from ilcp.decoding import (
     DecodeResult,
+    answer_loss_and_greedy,
     assemble_prefix,
     decode_one,
     embed_text,
@@ -91,6 +92,26 @@ def test_cache_decode_equals_naive_loop(sharp):
     assert greedy_decode_ids(model, tok, prefixes[:2], max_new_tokens=10, batch_size=2) == [
         naive_greedy(model, tok, p, 10) for p in prefixes[:2]
     ]
+
+
+def test_one_prefill_gives_the_teacher_forced_loss_and_the_greedy_answers(sharp):
+    model, tok = sharp
+    prefixes = make_prefixes(model, tok)
+    targets = [[5, 6, 7], [9], [11, 12], [3, 4, 5, 6], [8]]
+    loss, answers = answer_loss_and_greedy(model, tok, prefixes, targets, max_new_tokens=6)
+    assert answers == greedy_decode(model, tok, prefixes, max_new_tokens=6, batch_size=5)
+    # the reference loss: each row alone, its whole sequence, no padding, no cache
+    table = model.get_input_embeddings()
+    logp, n = 0.0, 0
+    with torch.no_grad():
+        for prefix, target in zip(prefixes, targets):
+            x = torch.cat([prefix, table(torch.tensor(target))])[None]
+            logits = model(inputs_embeds=x, use_cache=False).logits[0, prefix.shape[0] - 1:-1]
+            logp += float(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
+            n += len(target)
+    assert float(loss) == pytest.approx(logp / n, rel=1e-4)
+    with pytest.raises(ValueError, match="one non-empty list of target ids per prefix"):
+        answer_loss_and_greedy(model, tok, prefixes, targets[:2])
 
 
 def test_max_new_tokens(sharp):

@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import export, prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import HandoffConfig, TrainConfig
-from ..decoding import greedy_decode, left_pad
+from ..decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
@@ -213,13 +213,15 @@ class HandoffModule(L.LightningModule):
         return total
 
     def validation_step(self, batch, batch_idx):
-        loss, _ = self._teacher_forced(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
         keep = [i for i, idx in enumerate(batch["index"].tolist()) if idx < self.val_decode_size]
-        if keep:
-            predictions = self.answer(batch, keep)
-            self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answer"][i]))
-                                  for p, i in zip(predictions, keep))
+        if keep and len(keep) == len(batch["answer"]):
+            loss, predictions = self._loss_and_answers(batch)  # one prefill for both
+        else:
+            loss, _ = self._teacher_forced(batch)
+            predictions = self.answer(batch, keep) if keep else []
+        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
+        self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answer"][i]))
+                              for p, i in zip(predictions, keep))
 
     def on_validation_epoch_end(self):
         if self.val_decode_size > 0:
@@ -233,6 +235,19 @@ class HandoffModule(L.LightningModule):
                 self.log("val/exact_match", float(hits[decoded].sum() / decoded.sum()), prog_bar=True, sync_dist=True)
         self.log("val/step", float(self.global_step), sync_dist=True)
         self._val_hits.clear()
+
+    @torch.no_grad()
+    def _loss_and_answers(self, batch: dict) -> tuple[Tensor, list[str]]:
+        """The teacher-forced answer loss and the greedy answers of a batch, from one prefill of
+        its receiver prefixes (`ilcp.decoding.answer_loss_and_greedy`)."""
+        memory, _ = self.memory(batch)
+        with_context = self.source.reads_context_text
+        prefixes, targets = [], []
+        for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
+            prefixes.append(self.prefix(memory[i], context, question, with_context).embeds(self.lm))
+            targets.append(self.tokenizer(prompts.answer_text(answer, self.tokenizer),
+                                          add_special_tokens=False)["input_ids"])
+        return answer_loss_and_greedy(self.lm, self.tokenizer, prefixes, targets, max_new_tokens=self.cfg.max_new_tokens)
 
     @torch.no_grad()
     def answer(self, batch: dict, rows: list[int] | None = None) -> list[str]:
