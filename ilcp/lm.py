@@ -172,7 +172,7 @@ def weight_hash(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     digest = h.hexdigest()
     _WEIGHT_HASHES[model] = digest
     return digest
@@ -207,7 +207,8 @@ def lm_fingerprint(model: nn.Module, tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes on the CPU (bfloat16 read as int16), what weight hashes read."""
     t = t.to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)

@@ -278,7 +278,7 @@ def test_facts_value_split_flows_from_the_config_to_the_export_and_eval(tmp_path
     with pytest.raises(ValueError, match="facts_value_split"):
         load_config(None, ["data.facts_value_split=heldout"])
     config = {"task_settings": {"facts_n_facts": 1, "facts_n_distractors": 0, "seed": 0, "facts_value_split": "train"}}
-    assert eval_run._facts_settings(config, tmp_path)["value_split"] == "train"
+    assert eval_run.run_facts_settings(config, tmp_path)["value_split"] == "train"
 
 
 def test_a_run_trained_on_a_babi_mix_is_evaluated_on_each_of_its_tasks():

@@ -126,7 +126,7 @@ def parse_task(name: str) -> TaskSpec:
 def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None,
                tokenizer=None) -> tuple[list[dict], int, str]:
     """(rows, questions available, a description of the source) for a task's test split; the facts
-    task is built with the run's ``facts_settings`` (`_facts_settings`), a babilong task with
+    task is built with the run's ``facts_settings`` (`run_facts_settings`), a babilong task with
     ``tokenizer`` (the LM's) and seed 0."""
     if spec.is_facts:
         n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
@@ -150,7 +150,7 @@ def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None,
 FACTS_SETTINGS = {"n_facts": "facts_n_facts", "n_distractors": "facts_n_distractors", "seed": "seed"}
 
 
-def _facts_settings(config: dict, ckpt: Path) -> dict:
+def run_facts_settings(config: dict, ckpt: Path) -> dict:
     """The facts task's settings the run trained with: config.json's ``task_settings``
     (``facts_n_facts``, ``facts_n_distractors``, ``seed``), as `make_facts` arguments.
 
@@ -378,7 +378,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     chosen = _resolve_methods(config.methods)
     task_specs = _resolve_tasks(run_config["task"], config.tasks)
     trained_on = {s.name for s in _training_tasks(run_config["task"])}
-    facts_settings = _facts_settings(run_config, ckpt) if any(spec.is_facts for spec in task_specs) else None
+    facts_settings = run_facts_settings(run_config, ckpt) if any(spec.is_facts for spec in task_specs) else None
     files = run_config.get("files", {})
     skipped: dict[str, str] = {}
     runnable = []

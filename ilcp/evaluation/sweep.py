@@ -121,7 +121,7 @@ from ..names import PAYLOAD_DTYPES as DTYPES
 from ..tasks import make_facts
 from .registry import expand_method_names, make_method
 from .report import selection_curves
-from .run import _facts_settings, evaluate, parse_task
+from .run import run_facts_settings, evaluate, parse_task
 
 PLOT = "accuracy_vs_wire_bytes.png"
 SWEEP_JSON = "sweep.json"
@@ -652,7 +652,7 @@ def _facts_count_bytes(run_dir: Path, config: dict, lm, methods: Sequence[str], 
                        payload_dtype: str, batch_size: int) -> dict:
     """{count: {method: [wire bytes, tensor bytes] per request}} on the questions of evaluate()'s
     facts-count sweep (the same make_facts call), for the methods that sweep reports."""
-    settings = _facts_settings(config, run_dir)
+    settings = run_facts_settings(config, run_dir)
     heldout = {"value_split": "heldout"} if settings.get("value_split") == "train" else {}
     handoff = None
     if "ilcp" in methods:

@@ -414,7 +414,7 @@ def view_weight_hash(view: nn.Module) -> str:
                 where[key] = f
     names = sorted(n for n in where if not n.endswith("inv_freq"))
     h = hashlib.sha256()
-    from ilcp.lm import _tensor_bytes
+    from ilcp.lm import tensor_bytes
 
     for name in names:
         with safe_open(str(where[name]), framework="pt") as handle:
@@ -422,7 +422,7 @@ def view_weight_hash(view: nn.Module) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     view._rclc_weight_hash = h.hexdigest()
     return view._rclc_weight_hash
 
