@@ -17,6 +17,7 @@ from ilcp.evaluation import run as eval_run
 from ilcp.evaluation.methods import NoContext
 from ilcp.evaluation.registry import register_method
 from ilcp.evaluation.run import evaluate
+from ilcp.decoding import assemble_prefix
 from ilcp.prompts import question_prompt
 
 FAST = {"latency_n": 0, "lengths": (), "max_new_tokens": 4, "batch_size": 4}
@@ -31,8 +32,8 @@ class Noisy(NoContext):
         g = torch.Generator().manual_seed(zlib.crc32(row["id"].encode()))
         lm = self.lm
         scale = float(lm.model.get_input_embeddings().weight.norm(dim=-1).mean()) / lm.hidden_size ** 0.5
-        return self._prefix([question_prompt(lm.tokenizer, row["question"]),
-                             torch.randn(1, lm.hidden_size, generator=g) * scale])
+        return assemble_prefix(lm.model, lm.tokenizer, [question_prompt(lm.tokenizer, row["question"]),
+                                                        torch.randn(1, lm.hidden_size, generator=g) * scale])
 
 
 class TooLong(NoContext):
@@ -121,7 +122,9 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
     for key in ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TMPDIR"):
         monkeypatch.setenv(key, os.environ.get(key, ""))
     monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
-    environment, tempdir = dict(os.environ), tempfile.tempdir
+    ours = ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TMPDIR", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_NO_USAGE_STATS",
+            "DO_NOT_TRACK", "HF_HUB_OFFLINE")  # what starting the engine sets (vLLM sets others itself)
+    environment, tempdir = {k: os.environ.get(k) for k in ours}, tempfile.tempdir
     seen = []
     real_create_engine = decoders.create_engine
 
@@ -152,7 +155,7 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
         assert seen == [(str(folder / "cache"), str(folder / "tmp"), str(folder / "tmp"))]
         assert all((folder / name).is_dir() for name in ("cache", "config", "tmp"))
     # the process's own environment is put back once the engine has started
-    assert dict(os.environ) == environment and tempfile.tempdir == tempdir
+    assert {k: os.environ.get(k) for k in ours} == environment and tempfile.tempdir == tempdir
     saved = json.loads((out / "results.json").read_text())
     assert saved["settings"]["engine"] == "vllm"
     assert saved["tasks"]["babi:1"]["methods"]["ilcp"]["vllm"]["agreement"] >= 0.98
