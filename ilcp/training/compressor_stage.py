@@ -25,6 +25,7 @@ from ..compressor import BetaVAE, active_units
 from ..config import CompressorConfig, TrainConfig
 from ..encoder import ILCPEncoder, sender_states_of
 from ..lm import LM
+from ..memory_kinds import MemoryKind, memory_kind_for
 from ..pooling import AttentionPooler, ConcatPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
@@ -144,14 +145,16 @@ class CompressorModule(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr)
 
 
-def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:
-    """The config's pooler: an untrained attention pooler, a concat pooler, or None (the mean)."""
+def memory_kind(cfg: TrainConfig) -> MemoryKind:
+    """The registered memory kind (`ilcp.memory_kinds`) the config's compressor settings name."""
     c = cfg.compressor
-    if c.pooling == "attention":
-        return AttentionPooler(state_dim, c.pool_queries)
-    if c.pooling == "concat":
-        return ConcatPooler(state_dim, c.chunk_tokens)
-    return None
+    return memory_kind_for({"kind": c.pooling, "num_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens})
+
+
+def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:
+    """The config's pooler, from its memory kind: an untrained attention pooler, a concat pooler,
+    or None (the mean)."""
+    return memory_kind(cfg).pooler(state_dim)
 
 
 def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffRows,
@@ -169,8 +172,7 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     # Seeded before the VAE is built: its initialisation must not depend on what ran earlier in
     # the process (loading or converting the LM draws random numbers too).
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    encoder = ILCPEncoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), pooler=pooler,
-                          chunk_tokens=c.chunk_tokens)
+    encoder = memory_kind(cfg).encoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), None, pooler)
     if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         state = load_file(str(done))
         export.load_encoder_state(encoder, state, source=str(done))
