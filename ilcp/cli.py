@@ -220,6 +220,9 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--payload-dtype", default="float32", choices=PAYLOAD_DTYPES,
                         help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
                              "float32 scale)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the (task, method) results an earlier evaluation with the same settings saved "
+                             "under --out (parts/), computing only the missing ones: a long evaluation goes in pieces")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="compute precision of the LM's forwards: 32-true, bf16-mixed (bfloat16 autocast) or auto "
                              "(bf16-mixed where the CPU or GPU computes bfloat16 natively); default: the run's own")
@@ -253,6 +256,7 @@ def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
         seed=args.seed, out=out, device=args.device, progress=not args.no_progress,
         payload_dtype=args.payload_dtype, engine=args.engine, throughput_batches=args.throughput_batches,
         throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20, precision=args.precision,
+        resume=args.resume,
     )
 
 

@@ -85,6 +85,8 @@ class EvalConfig:
     vllm_kv_cache_bytes: int = _f(DEFAULT_VLLM_KV_CACHE_BYTES, "the vLLM engine's KV cache in bytes")
     precision: str | None = _f(None, "compute precision of the HF forwards: 32-true, bf16-mixed or auto (None: the "
                                      "one the run trained at)")
+    resume: bool = _f(False, "reuse the (task, method) results that an earlier evaluation of the same run with the "
+                             "same settings saved under out/parts, and compute only the missing ones")
 
     def __post_init__(self):
         self.tasks = _names(self.tasks, "tasks")
@@ -107,8 +109,11 @@ class EvalConfig:
         self.facts_counts = _ints("facts_counts", self.facts_counts, 1)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+        for name in ("progress", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.resume and self.out is None:
+            raise ValueError("resume reads the results saved under out: give out")
 
     @classmethod
     def help(cls) -> dict[str, str]:

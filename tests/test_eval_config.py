@@ -136,3 +136,33 @@ def test_evaluate_takes_a_config_or_its_fields_and_runs_part_by_part(tiny_run, t
     lengths = eval_run.context_length_sweep(session)
     assert lengths["targets"] == [16] and [r["method"] for r in lengths["rows"]] == ["no_context", "ilcp"]
     assert lengths["ilcp_pooled_max_length"] == session.handoff.max_length
+
+
+def test_a_resumed_evaluation_reuses_saved_results_and_recomputes_changed_ones(tiny_run, tiny_lm, tmp_path,
+                                                                              monkeypatch):
+    from ilcp.evaluation import run as eval_run
+    from ilcp.evaluation.run import evaluate
+
+    out = tmp_path / "eval"
+    settings = dict(methods=["no_context", "ilcp"], limit=4, latency_n=0, lengths=[], lm=tiny_lm, out=out)
+    first = evaluate(tiny_run.run_dir, **settings)
+    assert (out / "parts" / "babi_1" / "ilcp.json").is_file()
+    computed = []
+    real = eval_run._accuracy
+
+    def counting(method, rows, **kwargs):
+        computed.append(method.name)
+        return real(method, rows, **kwargs)
+
+    monkeypatch.setattr(eval_run, "_accuracy", counting)
+    again = evaluate(tiny_run.run_dir, resume=True, **settings)
+    assert computed == []
+    for name in ("no_context", "ilcp"):
+        assert again["tasks"]["babi:1"]["methods"][name]["exact_match"] == \
+            first["tasks"]["babi:1"]["methods"][name]["exact_match"]
+    evaluate(tiny_run.run_dir, resume=True, **{**settings, "methods": ["no_context", "prompt_tuned"]})
+    assert computed == ["prompt_tuned"]  # only what was missing
+    evaluate(tiny_run.run_dir, resume=True, **{**settings, "max_new_tokens": 3})
+    assert computed == ["prompt_tuned", "no_context", "ilcp"]  # other settings: computed again
+    with pytest.raises(ValueError, match="resume reads the results saved under out"):
+        EvalConfig(resume=True)

@@ -34,6 +34,7 @@ results.json, results.md and PNG plots when ``out`` is given (`ilcp.evaluation.r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import __version__
 from ..decoding import decode_one, greedy_decode
 from ..export import ExportError, check_fingerprint, read_config, read_export
 from ..handoff import ILCPHandoff
@@ -56,7 +58,7 @@ from ..precision import autocast, resolve
 from ..babilong import is_babilong_name, length_label, parse_babilong_name
 from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
                      make_facts)
-from ..io import atomic_write_text
+from ..io import atomic_write_json, atomic_write_text
 from ..engines.vllm import VLLMDecoder, require_vllm
 from ..eval_config import EvalConfig
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
@@ -541,6 +543,17 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
     by_method: dict[str, list[str]] = {}
     by_method_vllm: dict[str, list[str]] = {}
     for m in session.methods:
+        part = _part_path(cfg.out, spec.name, m.name) if cfg.out is not None else None
+        key = _part_key(session, spec.name, m.name)
+        saved = _read_part(part, key) if cfg.resume and part is not None else None
+        if saved is not None:
+            metrics, preds, vllm_preds = saved
+            task_result["methods"][m.name], by_method[m.name] = metrics, preds
+            if vllm_preds is not None:
+                by_method_vllm[m.name] = vllm_preds
+            say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])} "
+                f"(saved by an earlier evaluation, {part})")
+            continue
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # counted once above, not warned per context
             warnings.filterwarnings("ignore", message=".*longer than this export's max_length.*")
@@ -554,6 +567,9 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
         metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
         task_result["methods"][m.name] = metrics
         by_method[m.name] = preds
+        if part is not None:  # one finished (task, method) survives a stopped evaluation
+            atomic_write_json(part, {"key": key, "metrics": metrics, "predictions": preds,
+                                     "vllm_predictions": vllm_preds})
         if vllm_preds is not None:
             by_method_vllm[m.name] = vllm_preds
         say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
@@ -566,6 +582,38 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
                                    f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
                                    f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
     return task_result, (rows, by_method, by_method_vllm)
+
+
+def _part_path(out, task: str, method: str) -> Path:
+    """Where one (task, method) result of an evaluation is saved: out/parts/TASK/METHOD.json."""
+    def safe(name: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+
+    return Path(out) / "parts" / safe(task) / f"{safe(method)}.json"
+
+
+def _part_key(session: EvalSession, task: str, method: str) -> dict:
+    """Everything a saved (task, method) result depends on: the run's export (its config.json,
+    weight digests included), the task, the method and the settings that change its numbers."""
+    cfg = session.config
+    return {"run": hashlib.sha256(json.dumps(session.run_config, sort_keys=True).encode()).hexdigest()[:16],
+            "lm": session.lm.fingerprint, "task": task, "method": method, "limit": cfg.limit,
+            "latency_n": cfg.latency_n, "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
+            "payload_dtype": cfg.payload_dtype, "engine": cfg.engine, "precision": session.precision,
+            "package": __version__}
+
+
+def _read_part(path: Path, key: dict) -> tuple[dict, list[str], list[str] | None] | None:
+    """A saved (task, method) result made with ``key``'s settings, else None."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != key:
+        return None
+    return saved["metrics"], saved["predictions"], saved.get("vllm_predictions")
 
 
 def engine_agreement(session: EvalSession, tasks: dict) -> dict | None:
