@@ -117,3 +117,22 @@ def test_eval_reports_the_contexts_the_ilcp_sender_cut(tmp_path, tiny_lm):
     assert task["ilcp_max_length"] == 24 and 0 < task["ilcp_truncated"] <= 6
     assert task["context_tokens"]["max"] > 24
     assert "longer than the ilcp export's max_length of 24 tokens" in (tmp_path / "eval" / "results.md").read_text()
+
+
+def test_eval_at_several_lengths_tables_and_plots_accuracy_and_receiver_cost(tiny_run, tiny_lm, tmp_path):
+    from ilcp.evaluation.report import PLOT_LENGTH, PLOT_LENGTH_TTFT
+    from ilcp.evaluation.run import evaluate
+
+    res = evaluate(tiny_run.run_dir, tasks=["babilong:1:0", "babilong:1:0.5k", "babilong:1:1k"],
+                   methods=["no_context", "cold_read", "ilcp"], limit=3, latency_n=2, lengths=[], lm=tiny_lm,
+                   out=tmp_path / "eval")
+    tokens = [res["tasks"][t]["context_tokens"]["mean"] for t in ("babilong:1:0", "babilong:1:0.5k", "babilong:1:1k")]
+    assert tokens[0] < tokens[1] < tokens[2] <= 1024
+    cold = [res["tasks"][t]["methods"]["cold_read"]["prefill_positions"] for t in ("babilong:1:0.5k", "babilong:1:1k")]
+    ilcp = [res["tasks"][t]["methods"]["ilcp"]["prefill_positions"] for t in ("babilong:1:0.5k", "babilong:1:1k")]
+    assert cold[1] > cold[0] + 300 and ilcp[0] == ilcp[1]  # the text grows with the context, the memory does not
+    report = (tmp_path / "eval" / "results.md").read_text()
+    assert "## Exact match against context length (BABILong)" in report
+    assert report.count("| 1 | cold_read |") == 3
+    assert {PLOT_LENGTH, PLOT_LENGTH_TTFT} <= set(res["plots"])
+    assert all((tmp_path / "eval" / name).stat().st_size > 0 for name in res["plots"])

@@ -36,6 +36,8 @@ PLOT_ACCURACY = "accuracy_vs_payload_bytes.png"
 PLOT_TTFT = "ttft_vs_context_length.png"
 PLOT_FACTS = "accuracy_vs_num_facts.png"
 PLOT_BUDGETS = "selection_budgets.png"
+PLOT_LENGTH = "accuracy_vs_context_length.png"
+PLOT_LENGTH_TTFT = "accuracy_vs_receiver_ttft.png"
 _SELECTION_ROW = re.compile(r"(rclc|kv_relay):([A-Za-z0-9_]+):([rb])([0-9]+)((?::[A-Za-z_]+)*)\Z")
 
 
@@ -233,6 +235,51 @@ def _context_note(task: dict) -> str:
     return note
 
 
+def length_curves(results: dict) -> dict[int, dict[str, list[tuple[float, str, dict]]]]:
+    """The BABILong tasks of a result grouped for the length plots: bAbI task number -> method ->
+    [(mean context tokens, task name, the method's metrics)], shortest context first. Only bAbI
+    tasks evaluated at two or more lengths."""
+    from ..babilong import is_babilong_name, parse_babilong_name
+
+    by_task: dict[int, list[tuple[str, dict]]] = {}
+    for name, t in results.get("tasks", {}).items():
+        if is_babilong_name(name):
+            by_task.setdefault(parse_babilong_name(name).number, []).append((name, t))
+    curves: dict[int, dict[str, list[tuple[float, str, dict]]]] = {}
+    for number, tasks in by_task.items():
+        if len(tasks) < 2:
+            continue
+        methods: dict[str, list[tuple[float, str, dict]]] = {}
+        for name, t in tasks:
+            tokens = float((t.get("context_tokens") or {}).get("mean", 0.0))
+            for method, m in t["methods"].items():
+                methods.setdefault(method, []).append((tokens, name, m))
+        curves[number] = {k: sorted(v, key=lambda p: p[0]) for k, v in methods.items()}
+    return curves
+
+
+def _length_section(results: dict) -> list[str]:
+    """Exact match and what each method costs the receiver, per BABILong length."""
+    curves = length_curves(results)
+    if not curves:
+        return []
+    out = ["## Exact match against context length (BABILong)", "",
+           "Per bAbI task, method and context length: exact match, what the receiver prefills, the bytes "
+           "handed over and the receiver's time to first token (p50 / p99 over the timed requests), with the "
+           "sender's time beside it.", "",
+           "| bAbI task | method | context tokens | exact match % [95% CI] | prefill positions | wire bytes "
+           "| receiver TTFT ms p50 / p99 | sender ms p50 |", "|---|---|---|---|---|---|---|---|"]
+    for number, methods in curves.items():
+        for method, points in methods.items():
+            for tokens, _, m in points:
+                lat = m.get("latency") or {}
+                out.append(f"| {number} | {method} | {tokens:.0f} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+                           f"| {m.get('prefill_positions', 0):.0f} | {_bytes(m['wire_bytes'])} "
+                           f"| {_ms(lat.get('receiver_ttft_s'), 'p50')} / {_ms(lat.get('receiver_ttft_s'), 'p99')} "
+                           f"| {_ms(lat.get('sender_s'), 'p50')} |")
+    return out + [""]
+
+
 def markdown_report(results: dict) -> str:
     """The human-readable report of an `evaluate` result."""
     s = results["settings"]
@@ -276,6 +323,7 @@ def markdown_report(results: dict) -> str:
             out.append(f"\nThe ilcp sender pools at most the last {sweep['ilcp_pooled_max_length']} tokens of a context "
                        "(the run's pooling setting); the receiver's prefix does not grow with the context.")
         out.append("")
+    out += _length_section(results)
     out += _engine_sections(results)
     facts = results.get("facts_count")
     if facts and facts.get("rows"):
@@ -466,6 +514,61 @@ def plot_accuracy_vs_facts(sweep: dict, path: Path) -> Path:
     return path
 
 
+def _errorbar(ax, x, metrics: list[dict], **kwargs) -> None:
+    em = [m["exact_match"] for m in metrics]
+    ci = [m["exact_match_ci"] or (e, e) for e, m in zip(em, metrics)]
+    ax.errorbar(x, em, yerr=[[e - c[0] for e, c in zip(em, ci)], [c[1] - e for e, c in zip(em, ci)]],
+                capsize=3, **kwargs)
+
+
+def plot_accuracy_vs_length(results: dict, path: Path) -> Path | None:
+    """Exact match (95% intervals) against the mean context length, one line per method and one
+    panel per bAbI task evaluated at two or more BABILong lengths; None when there is none."""
+    curves = length_curves(results)
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.4), squeeze=False)
+    for ax, (number, methods) in zip(axes[0], curves.items()):
+        for i, (method, points) in enumerate(methods.items()):
+            _errorbar(ax, [p[0] for p in points], [p[2] for p in points], marker="o", color=f"C{i % 10}",
+                      label=method)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("context tokens (mean)")
+        ax.set_ylabel("exact match")
+        ax.set_title(f"bAbI task {number} in background prose (BABILong)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+def plot_accuracy_vs_ttft(results: dict, path: Path) -> Path | None:
+    """Exact match against the receiver's time to first token (p50, log), one point per method,
+    for the longest BABILong length of each bAbI task with timed requests; None when none."""
+    panels = []
+    for number, methods in length_curves(results).items():
+        timed = [(method, points[-1]) for method, points in methods.items()
+                 if ((points[-1][2].get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")]
+        if timed:
+            panels.append((number, timed))
+    if not panels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
+    for ax, (number, timed) in zip(axes[0], panels):
+        for i, (method, (tokens, name, m)) in enumerate(timed):
+            ttft = m["latency"]["receiver_ttft_s"]["p50"] * 1000
+            _errorbar(ax, [ttft], [m], fmt="o", color=f"C{i % 10}", label=f"{method} ({ttft:,.0f} ms)")
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("receiver time to first token, ms (p50, log)")
+        ax.set_ylabel("exact match")
+        ax.set_title(f"{timed[0][1][1]}: accuracy against receiver cost")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
 def _finite(obj):
     """JSON-safe copy: NaN and infinities become None."""
     if isinstance(obj, float):
@@ -487,9 +590,11 @@ def write_report(results: dict, out_dir: str | Path) -> dict:
     plots = []
     if results["tasks"]:
         plots.append(plot_accuracy_vs_bytes(results, out / PLOT_ACCURACY).name)
-        budgets = plot_selection_budgets(results, out / PLOT_BUDGETS)
-        if budgets is not None:
-            plots.append(budgets.name)
+        for plot in (plot_selection_budgets(results, out / PLOT_BUDGETS),
+                     plot_accuracy_vs_length(results, out / PLOT_LENGTH),
+                     plot_accuracy_vs_ttft(results, out / PLOT_LENGTH_TTFT)):
+            if plot is not None:
+                plots.append(plot.name)
     if results.get("context_length") and results["context_length"].get("rows"):
         plots.append(plot_ttft_vs_length(results["context_length"], out / PLOT_TTFT).name)
     if results.get("facts_count") and results["facts_count"].get("rows"):
