@@ -265,10 +265,10 @@ class TrainerConfig:
     num_nodes: int = _f(1, "Lightning num_nodes")
     strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ... (ranks start as processes that re-run the "
                                "command: spawn and fork strategies are refused)")
-    precision: str = _f("32-true", "compute precision of every forward through the LM, in training, state "
-                                   "extraction, evaluation and ILCPHandoff: 32-true, bf16-mixed (bfloat16 "
-                                   "autocast; weights, exports and payloads stay float32) or auto (bf16-mixed "
-                                   "where the CPU or GPU computes bfloat16 natively)")
+    precision: str = _f("auto", "compute precision of every forward through the LM, in training, state "
+                                "extraction, evaluation and ILCPHandoff: 32-true, bf16-mixed (bfloat16 autocast; "
+                                "weights, exports and payloads stay float32) or auto (bf16-mixed where the CPU or "
+                                "GPU computes bfloat16 natively and the LM's weights are float32, else 32-true)")
     seed: int = _f(0, "global seed for initialisation and batch order")
     progress: bool = _f(True, "show progress bars")
 
@@ -317,7 +317,7 @@ class TrainConfig:
                 self.compressor.chunk_tokens > 0 and self.handoff.num_memory_tokens == self.compressor.chunk_tokens):
             raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk as its j-th token: "
                              "they need compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
-        if self.trainer.precision != "32-true" and self.lm.dtype == "float16":
+        if self.trainer.precision == "bf16-mixed" and self.lm.dtype == "float16":
             raise ValueError(f"trainer.precision {self.trainer.precision} with lm.dtype float16: pick one "
                              "half-precision type")
 

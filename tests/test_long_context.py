@@ -135,4 +135,7 @@ def test_eval_at_several_lengths_tables_and_plots_accuracy_and_receiver_cost(tin
     assert "## Exact match against context length (BABILong)" in report
     assert report.count("| 1 | cold_read |") == 3
     assert {PLOT_LENGTH, PLOT_LENGTH_TTFT} <= set(res["plots"])
+    reused = res["tasks"]["babilong:1:1k"]["methods"]["ilcp"]["latency"]["sender_reusing_forward_s"]
+    full = res["tasks"]["babilong:1:1k"]["methods"]["ilcp"]["latency"]["sender_s"]
+    assert reused["n"] == 2 and 0 < reused["p50"] < full["p50"]  # no forward to run
     assert all((tmp_path / "eval" / name).stat().st_size > 0 for name in res["plots"])

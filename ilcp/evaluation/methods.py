@@ -8,8 +8,10 @@ is `ilcp.evaluation.rclc_methods`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from ..names import DEFAULT_METHODS
@@ -103,6 +105,18 @@ class ILCPMethod(HandoffMethod):
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
         return self.ctx.handoff.prefixes(sent.handed_over, [row["question"]])[0]
+
+    def reused_sender_seconds(self, row: dict) -> float:
+        """The sender's time when its own forward over the context already ran (an agent that
+        just read it): `ILCPHandoff.send_from_hidden_states` and the bytes, timed; the forward
+        before it is not."""
+        handoff = self.ctx.handoff
+        inputs = handoff.sender_inputs([row["context"]])
+        with torch.no_grad(), handoff.compute():
+            outputs = self.lm.model(**inputs, output_hidden_states=True, use_cache=False)
+        start = time.perf_counter()
+        handoff.send_from_hidden_states(outputs, inputs["attention_mask"]).to_bytes()
+        return time.perf_counter() - start
 
     def build_prefixes(self, rows: Sequence[dict]) -> Prefixes:
         handoff = self.ctx.handoff

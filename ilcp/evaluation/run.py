@@ -229,13 +229,17 @@ def _latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, p
     time_request(method, rows[0], max_new_tokens=max_new_tokens)  # warm-up: allocations, kernels
     timed = [time_request(method, r, max_new_tokens=max_new_tokens)
              for r in tqdm(rows, desc=desc, disable=not progress, leave=False)]
-    return {
+    latency = {
         "n": len(timed),
         "sender_s": latency_summary([t.sender_s for t in timed]),
         "receiver_ttft_s": latency_summary([t.receiver_ttft_s for t in timed]),
         "receiver_total_s": latency_summary([t.receiver_total_s for t in timed]),
         "handoff_s": latency_summary([t.handoff_s for t in timed]),
     }
+    reused = getattr(method, "reused_sender_seconds", None)
+    if reused is not None:  # ilcp: the sender's time when its own forward already ran
+        latency["sender_reusing_forward_s"] = latency_summary([reused(r) for r in rows])
+    return latency
 
 
 # --------------------------------------------------------------------------------------------

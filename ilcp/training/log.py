@@ -31,8 +31,11 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
 
 def run_precision(cfg) -> str:
     """The run's compute precision, ``trainer.precision`` with ``auto`` resolved for the device
-    the run trains on (`ilcp.precision.resolve`)."""
+    the run trains on (`ilcp.precision.resolve`); ``auto`` with an LM whose weights are already
+    half precision (``lm.dtype``) is 32-true: the weights set the precision then."""
     t = cfg.trainer
+    if t.precision == "auto" and cfg.lm.dtype != "float32":
+        return "32-true"
     cuda = t.accelerator in ("gpu", "cuda") or (t.accelerator == "auto" and torch.cuda.is_available())
     return resolve(t.precision, "cuda" if cuda else "cpu")
 
