@@ -35,7 +35,7 @@ def test_fingerprint_changes_with_weights_dtype_and_vocabulary(tiny_lm):
 
 def test_weight_hash_is_cached_per_model_object(tiny_lm, monkeypatch):
     tiny_lm.fingerprint  # computed once
-    monkeypatch.setattr(lm_module, "_tensor_bytes", lambda t: (_ for _ in ()).throw(AssertionError("rehashed")))
+    monkeypatch.setattr(lm_module, "tensor_bytes", lambda t: (_ for _ in ()).throw(AssertionError("rehashed")))
     assert tiny_lm.fingerprint
 
 
