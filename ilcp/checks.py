@@ -8,3 +8,32 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_key(key) -> bytes:
+    """`key` as bytes when it can be a shared key (bytes, at least 16 of them); else ValueError."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise ValueError("an authentication key must be bytes of length >= 16 (e.g. secrets.token_bytes(32))")
+    return bytes(key)
+
+
+# No tokenizer this package meets averages more characters per token than this on any text
+# (English prose runs at about 4): a text longer than limit x this cannot fit in `limit` tokens,
+# and is refused before it is tokenised.
+CHARS_PER_TOKEN = 32
+
+
+def text_input(name: str, text: str, max_tokens: int | None = None) -> str:
+    """A string that a tokenizer can take: valid Unicode (no lone surrogate such as ``"\\ud800"``),
+    and, when ``max_tokens`` is given, at most ``max_tokens x CHARS_PER_TOKEN`` characters (checked
+    before any tokenising, so an overlong text is refused at once). ValueError naming `name`."""
+    if max_tokens is not None and len(text) > max_tokens * CHARS_PER_TOKEN:
+        raise ValueError(f"{name} has {len(text):,} characters, more than {max_tokens} tokens can hold (at most "
+                         f"{max_tokens * CHARS_PER_TOKEN:,}: {max_tokens} tokens x {CHARS_PER_TOKEN} characters): "
+                         f"shorten it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
+    return text

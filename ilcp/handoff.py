@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .checks import positive_int
+from .checks import positive_int, text_input
 from .decoding import greedy_decode
 from .encoder import ILCPEncoder
 from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
@@ -45,7 +45,7 @@ from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_
 from .precision import autocast, resolve
 from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
-from .transport import PayloadError, TransportPayload, check_key, pack, unpack
+from .transport import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff"]
 
@@ -63,8 +63,15 @@ class ILCPHandoff:
         payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
             absmax with a float32 scale; see `ilcp.transport`).
         auth_key: a key shared by sender and receiver (bytes, >= 16): `to_wire` seals payloads
-            with HMAC-SHA256 and `parse` refuses bytes whose tag does not verify, and unsealed
-            bytes. None: the CRC-checked format only.
+            with HMAC-SHA256 (with a fresh nonce and the creation time) and `parse` refuses bytes
+            whose tag does not verify, unsealed bytes and unsealed `TransportPayload` objects, a
+            sealed payload it accepted before, and one older than ``max_age`` (`ilcp.transport`
+            says what the envelope promises and what it does not). None: the CRC-checked format
+            only.
+        max_age: with a key, seconds a sealed payload is accepted after it was sealed (None: no
+            limit; replays are then refused as long as the receiver remembers their nonces).
+        replay_window: with a key, seconds the receiver remembers the nonces it accepted;
+            default ``max_age`` (`ilcp.transport.ReplayGuard`, at most 65,536 nonces).
         precision: compute precision (`ilcp.precision`); default the config's ``lm.precision``.
 
     Raises:
@@ -84,6 +91,8 @@ class ILCPHandoff:
         payload_dtype: str | torch.dtype = "float32",
         auth_key: bytes | None = None,
         precision: str | None = None,
+        max_age: float | None = 300.0,
+        replay_window: float | None = None,
     ):
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
@@ -116,6 +125,7 @@ class ILCPHandoff:
         # Fails early with a ValueError for an unknown payload dtype.
         self.payload_dtype = pack(torch.zeros(1), lm_fingerprint=fingerprint, dtype=payload_dtype).dtype
         self.auth_key = None if auth_key is None else check_key(auth_key)
+        self.replay_guard = None if auth_key is None else ReplayGuard(max_age, replay_window)
         self.lm = lm
         self.config = copy.deepcopy(config)
         self.device = torch.device(device) if device is not None else lm.device
@@ -139,6 +149,9 @@ class ILCPHandoff:
         cache_dir: str | os.PathLike | None = None,
         auth_key: bytes | None = None,
         precision: str | None = None,
+        max_age: float | None = 300.0,
+        replay_window: float | None = None,
+        export_key: bytes | None = None,
     ) -> ILCPHandoff:
         """Load the ILCP modules of a run directory (see `ilcp.export`) for an LM.
 
@@ -150,7 +163,9 @@ class ILCPHandoff:
             device: where the modules run (and where a loaded LM is placed); default the LM's.
             payload_dtype: dtype of z on the wire.
             cache_dir: `load_lm`'s cache, when the LM is loaded here.
-            auth_key: see the class.
+            auth_key, max_age, replay_window: see the class.
+            export_key: the key the export was signed with (`ilcp.export.sign_export`): its
+                config.json must carry a signature that verifies under it (`read_export`).
             precision: compute precision of the sender's forward, the encoder and the receiver's
                 decode (`ilcp.precision`: "32-true", "bf16-mixed" or "auto"); default the one
                 the run trained at (config.json ``lm.precision``; "32-true" when absent).
@@ -160,7 +175,7 @@ class ILCPHandoff:
             ValueError: a bare model without a tokenizer, a tokenizer beside an LM bundle, an
                 unknown precision.
         """
-        run = read_export(path)
+        run = read_export(path, key=export_key)
         if run.encoder is None:
             raise ExportError(
                 f"{str(path)!r} holds no ILCP weights (files: {sorted(run.config.get('files', {}))}); "
@@ -181,28 +196,30 @@ class ILCPHandoff:
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
         return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
-                               precision=precision)
+                               precision=precision, max_age=max_age, replay_window=replay_window)
 
     @classmethod
     def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,
                     payload_dtype: str | torch.dtype = "float32", auth_key: bytes | None = None,
-                    precision: str | None = None) -> ILCPHandoff:
+                    precision: str | None = None, max_age: float | None = 300.0,
+                    replay_window: float | None = None) -> ILCPHandoff:
         """The handoff of an export already read (`ilcp.export.read_export`) for an LM bundle."""
         if run.encoder is None:
             raise ExportError(f"{str(run.path)!r} holds no ILCP weights; train with 'ilcp' among handoff.variants")
         handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
-                      precision=precision)
+                      precision=precision, max_age=max_age, replay_window=replay_window)
         handoff.source = run.path
         return handoff
 
-    def save_pretrained(self, path: str | os.PathLike) -> Path:
+    def save_pretrained(self, path: str | os.PathLike, *, key: bytes | None = None) -> Path:
         """Write config.json and model.safetensors (the encoder only) into ``path``.
 
         Each file is written atomically and config.json last, so a directory with a config.json
         holds a complete export; the written config lists model.safetensors as its only weights.
-        Returns the directory.
+        With ``key``, config.json is signed (`ilcp.export.sign_config`; load it with
+        ``from_pretrained(path, export_key=key)``). Returns the directory.
         """
-        return save_encoder(self.encoder, self.config, path)
+        return save_encoder(self.encoder, self.config, path, key=key)
 
     # ------------------------------------------------------------------------------- properties
 
@@ -241,12 +258,18 @@ class ILCPHandoff:
             {"input_ids": (B, S) long, "attention_mask": (B, S) long} on the LM's device.
 
         Raises:
-            ValueError: no contexts, a non-string, or a context with no tokens.
+            ValueError: no contexts, a non-string, a context with no tokens or only whitespace,
+                one that is not valid Unicode, or one longer than the LM's context could hold
+                (`ilcp.checks.text_input`: refused before it is tokenised).
         """
         if isinstance(contexts, str) or not isinstance(contexts, Sequence) or len(contexts) == 0:
             raise ValueError("contexts must be a non-empty list of strings")
         if any(not isinstance(c, str) for c in contexts):
             raise ValueError("contexts must be strings")
+        for i, context in enumerate(contexts):
+            text_input("the context" if len(contexts) == 1 else f"context {i}", context, self.lm.max_positions)
+            if context and not context.strip():
+                raise ValueError("cannot send a context of only whitespace (it carries nothing to hand over)")
         ids = self.lm.tokenizer(list(contexts), add_special_tokens=False)["input_ids"]
         if any(len(seq) == 0 for seq in ids):
             raise ValueError("cannot send an empty context (it has no tokens)")
@@ -363,8 +386,18 @@ class ILCPHandoff:
 
         Returns:
             a payload with latent (B, Z).
+
+        Raises:
+            ValueError: a mask that is not (B, S), or a row of it with no real token.
         """
-        longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.numel() == 0:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a non-empty (B, S) tensor, got {shape}")
+        empty = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"attention_mask row(s) {empty[:4]} mark no real token (all zeros): there is no context "
+                             "to send")
+        longest = int(attention_mask.sum(-1).max())
         if longest > self.max_length:
             warnings.warn(f"the sender's forward covers {longest} tokens, more than this export's max_length of "
                           f"{self.max_length}: the encoder reads them all, though training read at most "
@@ -387,40 +420,85 @@ class ILCPHandoff:
 
     # --------------------------------------------------------------------------------- receiver
 
-    def parse(self, payload: TransportPayload | bytes | bytearray | memoryview) -> TransportPayload:
-        """Verify a payload (bytes or object) against this receiver's LM.
+    def parse(self, payload: TransportPayload | bytes | bytearray | memoryview, *,
+              contexts: int | None = None) -> TransportPayload:
+        """Verify a payload (bytes or object) against this receiver's LM and export: its shape
+        is checked from the header, before anything proportional to it is read.
+
+        Args:
+            contexts: the number of contexts the caller will read (its questions): a payload
+                that holds another number is refused. None: any number within `DEFAULT_MAX_ELEMENTS`.
 
         Raises:
-            PayloadError: invalid bytes, or a payload made by another LM.
+            PayloadError: invalid bytes, a payload made by another LM, a latent shape this export
+                does not read (more chunks than a context of ``max_length`` tokens gives, or
+                another number of contexts than ``contexts``), or, for a receiver with a key,
+                unsealed bytes or objects, a replay, or a payload older than ``max_age``.
         """
+        check = self._shape_check(contexts)
         if isinstance(payload, TransportPayload):
+            if self.auth_key is not None:
+                raise PayloadError("payload is not authenticated, but this receiver requires a shared key: hand it "
+                                   "the sealed bytes (sender.to_wire(payload)), not the TransportPayload object")
             if payload.lm_fingerprint != self.fingerprint:
                 raise PayloadError(
                     f"payload was made by LM {payload.lm_fingerprint}, this receiver runs {self.fingerprint}"
                 )
+            check(tuple(payload.latent.shape))
             return payload
-        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint, key=self.auth_key)
+        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint, key=self.auth_key,
+                                           guard=self.replay_guard, max_elements=self._max_elements(contexts),
+                                           check_shape=check)
+
+    @property
+    def max_chunks(self) -> int:
+        """The most latents one context carries: ceil(max_length / chunk_tokens), or 1."""
+        if not self.encoder.chunked:
+            return 1
+        return -(-self.max_length // self.encoder.chunk_tokens)
+
+    def _max_elements(self, contexts: int | None) -> int:
+        if contexts is None:
+            return DEFAULT_MAX_ELEMENTS
+        return max(1, contexts) * self.max_chunks * self.latent_dim
+
+    def _shape_check(self, contexts: int | None) -> Callable[[tuple[int, ...]], None]:
+        """The latent shapes this receiver reads: (Z,) or (B, Z), or per chunk (N, Z) or (B, N, Z)
+        with N <= `max_chunks`; B equal to ``contexts`` when given."""
+        per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
+
+        def check(shape: tuple[int, ...]) -> None:
+            if len(shape) not in (per_context, per_context + 1) or shape[-1] != self.latent_dim:
+                expected = "(N, Z) or (B, N, Z)" if self.encoder.chunked else "(Z,) or (B, Z)"
+                raise PayloadError(f"payload latent has shape {shape}; this receiver reads {expected} with "
+                                   f"Z = {self.latent_dim}")
+            if self.encoder.chunked and shape[-2] > self.max_chunks:
+                raise PayloadError(f"payload carries {shape[-2]} latents per context; a context of at most "
+                                   f"{self.max_length} tokens (this export's max_length) gives at most "
+                                   f"{self.max_chunks}, one per {self.encoder.chunk_tokens} tokens")
+            held = shape[0] if len(shape) == per_context + 1 else 1
+            if contexts is not None and held != contexts:
+                raise PayloadError(f"payload holds {held} latent(s) but {contexts} question(s) were given")
+
+        return check
 
     def to_wire(self, payload: TransportPayload) -> bytes:
         """A payload's bytes for the wire: sealed with this handoff's key when it has one."""
         return payload.to_bytes(self.auth_key)
 
-    def memory_vectors(self, payload: TransportPayload | bytes) -> Tensor:
+    def memory_vectors(self, payload: TransportPayload | bytes, *, contexts: int | None = None) -> Tensor:
         """Received payload -> memory vectors (B, K, H), or (B, N * K, H) with one latent per
         chunk, in the LM's dtype, on the LM's device.
 
         The receiver works on its own copy of z (`unpack`), so receivers never alias a payload.
+        The payload's shape is checked (`parse`, with ``contexts``) before anything is projected.
 
         Raises:
             PayloadError: invalid or foreign bytes, or a latent whose shape this export does not
                 read: (Z,) or (B, Z) for one latent per context, (N, Z) or (B, N, Z) per chunk.
         """
-        z = unpack(self.parse(payload), self.device, dtype=torch.float32)
+        z = unpack(self.parse(payload, contexts=contexts), self.device, dtype=torch.float32)
         per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
-        if z.dim() not in (per_context, per_context + 1) or z.shape[-1] != self.latent_dim:
-            expected = "(N, Z) or (B, N, Z)" if self.encoder.chunked else "(Z,) or (B, Z)"
-            raise PayloadError(f"payload latent has shape {tuple(z.shape)}; this receiver reads {expected} with "
-                               f"Z = {self.latent_dim}")
         if z.dim() == per_context:
             z = z.unsqueeze(0)
         with torch.no_grad(), self.compute():
@@ -432,9 +510,7 @@ class ILCPHandoff:
         used (`ilcp.prefix.receiver_prefix`): ``[memory ; question prompt]``, or for a run trained
         with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the memory where the
         context text would stand."""
-        memory = self.memory_vectors(payload)
-        if memory.shape[0] != len(questions):
-            raise ValueError(f"payload holds {memory.shape[0]} latent(s) but {len(questions)} question(s) were given")
+        memory = self.memory_vectors(payload, contexts=len(questions))
         tok = self.lm.tokenizer
         return [receiver_prefix(tok, q, source=self.encoder, memory=memory[i]).embeds(self.lm.model)
                 for i, q in enumerate(questions)]
@@ -459,15 +535,22 @@ class ILCPHandoff:
             a string for a single question, else a list in order.
 
         Raises:
-            PayloadError: invalid or foreign payload.
-            ValueError: the number of questions does not match the payload's batch.
+            PayloadError: invalid or foreign payload, or one that holds another number of
+                latents than questions were given (refused before anything is projected).
+            ValueError: a question that is not a string, empty, not valid Unicode, or longer
+                than the LM's context could hold (refused before it is tokenised).
         """
         single = isinstance(question, str)
+        if not single and (not isinstance(question, Sequence) or isinstance(question, (bytes, bytearray))):
+            raise ValueError(f"question must be a string or a non-empty list of strings, got "
+                             f"{type(question).__name__}")
         questions = [question] if single else list(question)
         if not questions or any(not isinstance(q, str) for q in questions):
             raise ValueError("question must be a string or a non-empty list of strings")
         if any(not q.strip() for q in questions):
             raise ValueError("a question must not be empty")
+        for i, q in enumerate(questions):
+            text_input("the question" if single else f"question {i}", q, self.lm.max_positions)
         positive_int("max_new_tokens", max_new_tokens)
         prefixes = self.prefixes(payload, questions)
         limit = getattr(getattr(self.lm.model, "config", None), "max_position_embeddings", None)

@@ -39,7 +39,7 @@ def test_crc_alone_accepts_a_deliberate_edit_and_the_key_refuses_it():
 def test_sealed_round_trip_and_refusals():
     p = _payload()
     sealed = p.to_bytes(KEY)
-    assert len(sealed) == len(p.to_bytes()) + 5 + 32
+    assert len(sealed) == len(p.to_bytes()) + 5 + 16 + 8 + 32  # magic, version, nonce, time, tag
     torch.testing.assert_close(TransportPayload.from_bytes(sealed, key=KEY).latent, p.latent, rtol=0, atol=0)
     with pytest.raises(PayloadError, match="shared key is needed"):
         TransportPayload.from_bytes(sealed)
@@ -88,3 +88,39 @@ def test_handoffs_with_a_shared_key(tiny_run, tiny_lm):
         receiver.receive(plain.to_wire(plain.send("John went to the garden.")), "Where is John?")
     with pytest.raises(ValueError, match="key"):
         ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key="secret")
+
+
+def test_replay_guard_refuses_replays_old_future_and_nonce_less_envelopes_with_bounded_memory():
+    from ilcp.transport import ReplayGuard, open_envelope
+
+    now = [1_000_000.0]
+    guard = ReplayGuard(max_age=60, max_nonces=3, max_skew=5, clock=lambda: now[0])
+    wire = _payload().to_bytes()
+
+    def receive(sealed):
+        return TransportPayload.from_bytes(sealed, key=KEY, guard=guard)
+
+    sealed = [seal(wire, KEY, created_at=now[0] - 10 + i) for i in range(4)]
+    receive(sealed[0])
+    with pytest.raises(PayloadError, match="replayed"):
+        receive(sealed[0])
+    with pytest.raises(PayloadError, match="max_age of 60 s"):
+        receive(seal(wire, KEY, created_at=now[0] - 61))
+    with pytest.raises(PayloadError, match="ahead of this receiver's clock"):
+        receive(seal(wire, KEY, created_at=now[0] + 6))
+    for s in sealed[1:]:
+        receive(s)
+    assert len(guard) == 3  # the first nonce was forgotten to stay within max_nonces ...
+    with pytest.raises(PayloadError, match="older than the 3 payloads"):
+        receive(sealed[0])  # ... and its replay is still refused
+    now[0] += 120  # every nonce has expired with the window, and the envelopes with max_age
+    with pytest.raises(PayloadError, match="old"):
+        receive(sealed[3])
+    receive(seal(wire, KEY, created_at=now[0]))
+    assert len(guard) == 1
+    envelope = open_envelope(seal(wire, KEY, nonce=b"n" * 16, created_at=12.5), KEY)
+    assert (envelope.version, envelope.nonce, envelope.created_at, envelope.payload) == (2, b"n" * 16, 12.5, wire)
+    with pytest.raises(ValueError, match="replay_window"):
+        ReplayGuard(max_age=60, replay_window=30)
+    with pytest.raises(ValueError, match="max_age"):
+        ReplayGuard(max_age=-1)
