@@ -22,11 +22,22 @@ digests, format version) is the run's and is checked here.
 Only trained modules are written, never the frozen LM. Every file is written atomically, and
 config.json last, so a directory with a config.json holds a complete export. Reading never
 unpickles (safetensors only), and `check_fingerprint` refuses an export made for another LM.
+
+Integrity. config.json records the sha256 of every weights file (``digests``). Without a key the
+digests protect against accidents (a truncated copy, a flipped bit, a file from another run),
+not against edits: whoever can change a weights file can write its new sha256 into config.json.
+With a key (``key=`` of `export_run`, `save_encoder`, `read_export`; `sign_export` for an export
+already written), config.json also carries ``signature``, an HMAC-SHA256 under the key of
+config.json itself (every entry but the signature, canonical JSON), digests included; a reader
+given the key refuses an export whose signature is missing or does not verify, so an edited
+file with a recomputed digest is refused. metrics.json, train_config.yaml and README.md are
+not covered (they are read for reports only).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +50,7 @@ from torch import Tensor
 from . import __version__
 from .encoder import ConstantMemory, ILCPEncoder, MemorySource
 from .encoder_config import EncoderSpec, ExportError
+from .checks import check_key
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from .memory_kinds import config_value, pooling_kinds
 
@@ -48,6 +60,7 @@ BASELINES = ("prompt_tuned", "cold_read_tuned", "selection_tuned")  # the soft-p
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
+SIGNATURE = "signature"  # config.json's HMAC entry (`sign_config`)
 
 # the state-dict prefixes of the exported files
 _PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler", "format": "format_prompt"}
@@ -85,6 +98,10 @@ def load_encoder_state(encoder: ILCPEncoder, state: dict[str, Tensor], *, source
             raise ExportError(f"{source} hold no {prefix}.* tensors")
         _check_tensors(tensors, part.state_dict(), f"{source}: {prefix}")
         part.load_state_dict(tensors)
+    unread = sorted(k for k in state if k.split(".", 1)[0] not in _PARTS)
+    if unread:
+        raise ExportError(f"{source}: unexpected tensors {unread[:4]} (this package reads only "
+                          f"{', '.join(p + '.*' for p in _PARTS)})")
     if "compressor.input_std" in state:
         if not bool((state["compressor.input_std"] > 0).all()):
             raise ExportError(f"{source}: compressor.input_std must be > 0 everywhere")
@@ -145,10 +162,11 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     return EncoderSpec.from_encoder(encoder, layers, max_length).to_config()
 
 
-def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true") -> Path:
+def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true",
+               key: bytes | None = None) -> Path:
     """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring);
     ``precision`` is the compute precision the run trained at (`ilcp.precision`), which its
-    receivers use by default."""
+    receivers use by default; with ``key``, config.json is signed (`sign_config`)."""
     run_dir = cfg.run_dir
     files = {}
     digests = {}
@@ -178,7 +196,7 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
     if "ilcp" in sources:
         config.update(encoder_config(sources["ilcp"], layers=d.pool_layers, max_length=d.max_length))
     atomic_write_text(run_dir / CARD_FILE, model_card(config, metrics))
-    atomic_write_json(run_dir / CONFIG_FILE, config)
+    atomic_write_json(run_dir / CONFIG_FILE, config if key is None else sign_config(config, key))
     return run_dir
 
 
@@ -212,9 +230,10 @@ def model_card(config: dict, metrics: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
+def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path, key: bytes | None = None) -> Path:
     """Write one encoder as an export (config.json + model.safetensors) into `path`; `config` is
-    an export config (its lm, task and pooling entries are kept).
+    an export config (its lm, task and pooling entries are kept); with ``key``, config.json is
+    signed (`sign_config`).
 
     Raises:
         FileExistsError: `path` is a file, or a folder whose config.json is not an earlier save of
@@ -227,17 +246,56 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path) -> Path:
     config = json.loads(json.dumps(config))
     pooling = config.get("pooling", {})
     layers, max_length = pooling.get("layers", [-1]), pooling.get("max_length", 512)
-    for key in EncoderSpec.config_keys():  # the encoder's entries are written anew: none of the old one's stays
-        config.pop(key, None)
+    for entry in EncoderSpec.config_keys():  # the encoder's entries are written anew: none of the old one's stays
+        config.pop(entry, None)
     config.update(encoder_config(encoder, layers=layers, max_length=max_length))
     config["files"] = {"ilcp": MODEL_FILE}
     config["digests"] = {MODEL_FILE: file_digest(path / MODEL_FILE)}
     config["package_version"] = __version__
-    for key in ("train_config", "metrics"):  # files of a training run, not written here
-        config.pop(key, None)
+    for entry in ("train_config", "metrics", SIGNATURE):  # files of a training run, and the old signature
+        config.pop(entry, None)
     atomic_write_text(path / CARD_FILE, model_card(config))
-    atomic_write_json(path / CONFIG_FILE, config)
+    atomic_write_json(path / CONFIG_FILE, config if key is None else sign_config(config, key))
     return path
+
+
+def _signature(config: dict, key: bytes) -> str:
+    body = json.dumps({k: v for k, v in config.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(check_key(key), body.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def sign_config(config: dict, key: bytes) -> dict:
+    """`config` with its ``signature``: HMAC-SHA256 under `key` of every other entry (its weights'
+    digests included). Raises ExportError when a listed file has no digest (it would be unsigned)."""
+    unsigned = sorted(f for f in config.get("files", {}).values() if f not in (config.get("digests") or {}))
+    if unsigned:
+        raise ExportError(f"cannot sign an export whose config.json lists files without a digest: {unsigned}")
+    return {**config, SIGNATURE: {"algorithm": "hmac-sha256", "value": _signature(config, key)}}
+
+
+def sign_export(path: str | Path, key: bytes) -> Path:
+    """Sign an export already written (after checking it reads, digests and tensors, as it is):
+    config.json gains its ``signature`` under `key`, written atomically. Returns the directory."""
+    path = Path(path)
+    run = read_export(path)
+    atomic_write_json(path / CONFIG_FILE, sign_config(run.config, key))
+    return path
+
+
+def _check_signature(config: dict, key: bytes, where: Path) -> None:
+    signature = config.get(SIGNATURE)
+    if signature is None:
+        raise ExportError(f"{where} carries no signature, but a key was given: sign the export with "
+                          "ilcp.export.sign_export(run, key), or read it without a key")
+    value = signature.get("value") if isinstance(signature, dict) else None
+    if not isinstance(value, str) or signature.get("algorithm") != "hmac-sha256":
+        raise ExportError(f"{where}: signature must be {{'algorithm': 'hmac-sha256', 'value': hex}}")
+    if not hmac.compare_digest(value, _signature(config, key)):
+        raise ExportError(f"{where}: the signature does not verify: config.json or a weights digest was changed "
+                          "after signing, or it was signed with another key")
+    unsigned = sorted(f for f in config["files"].values() if f not in (config.get("digests") or {}))
+    if unsigned:
+        raise ExportError(f"{where}: files {unsigned} have no digest, so the signature does not cover them")
 
 
 def _check_save_target(path: Path) -> None:
@@ -276,7 +334,12 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
                   where: str | Path = CONFIG_FILE) -> ILCPEncoder:
     """The `ILCPEncoder` an export's config describes (`EncoderSpec.from_config(config).build`),
     with `state`'s weights when given, in eval mode."""
-    encoder = EncoderSpec.from_config(config, where).build(config["lm"]["hidden_size"])
+    try:
+        encoder = EncoderSpec.from_config(config, where).build(config["lm"]["hidden_size"])
+    except ExportError:
+        raise
+    except ValueError as e:  # settings that pass one by one but do not fit together (widths)
+        raise ExportError(f"{where}: the encoder's settings do not fit together: {e}") from None
     if state is not None:
         load_encoder_state(encoder, state, source=source)
     return encoder.eval()
@@ -309,8 +372,9 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_config(path: str | Path) -> dict:
-    """config.json of an export, checked against the schema this package writes.
+def read_config(path: str | Path, key: bytes | None = None) -> dict:
+    """config.json of an export, checked against the schema this package writes; with ``key``,
+    its signature must verify (see the module docstring).
 
     Raises:
         ExportError: one line naming the file and the problem.
@@ -332,6 +396,8 @@ def read_config(path: str | Path) -> dict:
     if config.get("format_version") != EXPORT_VERSION:
         raise ExportError(f"{cfg_path} has export format version {config.get('format_version')}, this package reads {EXPORT_VERSION}")
     _check_schema(config, cfg_path)
+    if key is not None:
+        _check_signature(config, key, cfg_path)
     return config
 
 
@@ -376,15 +442,18 @@ def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Ten
         raise ExportError(f"{fpath} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
 
 
-def read_export(path: str | Path) -> ExportedRun:
-    """Read every trained memory source of an export (no LM needed).
+def read_export(path: str | Path, key: bytes | None = None) -> ExportedRun:
+    """Read every trained memory source of an export (no LM needed); with ``key``, config.json's
+    signature must verify, so no file covered by it was edited (see the module docstring).
 
     Raises:
         ExportError: one line naming the file and the problem, for any file that is missing,
-            tampered with, of the wrong schema, or whose tensors do not fit the config.
+            tampered with, of the wrong schema, or whose tensors do not fit the config; a
+            metrics.json or train_config.yaml it lists that does not parse.
     """
     path = Path(path)
-    config = read_config(path)
+    config = read_config(path, key)
+    _check_run_files(path, config)
     run = ExportedRun(path=path, config=config)
     digests = config.get("digests")
     for name, fname in config["files"].items():
@@ -395,6 +464,30 @@ def read_export(path: str | Path) -> ExportedRun:
             shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
             run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)
     return run
+
+
+def _check_run_files(path: Path, config: dict) -> None:
+    """The training run's own files config.json lists, where present: metrics.json a JSON
+    object, train_config.yaml a YAML mapping."""
+    import yaml
+
+    for entry, what in (("metrics", "JSON"), ("train_config", "YAML")):
+        fname = config.get(entry)
+        if fname is None:
+            continue
+        fpath = path / str(fname)
+        if not isinstance(fname, str) or not fpath.resolve().is_relative_to(path.resolve()):
+            raise ExportError(f"{path / CONFIG_FILE}: {entry} = {fname!r} is not a file of the run directory")
+        if not fpath.is_file():  # not needed to load the modules; a copy may leave it out
+            continue
+        try:
+            text = fpath.read_text(encoding="utf-8")
+            value = json.loads(text) if what == "JSON" else yaml.safe_load(text)
+        except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+            problem = " ".join(str(e).split())
+            raise ExportError(f"{fpath} is not valid {what}: {problem}") from None
+        if not isinstance(value, dict):
+            raise ExportError(f"{fpath} must hold a {what} mapping, got {type(value).__name__}")
 
 
 def check_fingerprint(config: dict, fingerprint: str) -> None:

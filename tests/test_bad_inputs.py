@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import shutil
+import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,15 +22,20 @@ import pytest
 import torch
 import yaml
 
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from ilcp import cli, rclc
-from ilcp.export import ExportError
+from ilcp.export import ExportError, file_digest, read_export, sign_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import build_tiny_qwen3
 from ilcp.rclc import SnapshotError
-from ilcp.transport import PayloadError, pack
+from ilcp.rclc.snapshot import content_digest, write_snapshot
+from ilcp.transport import SEAL_MAGIC, PayloadError, pack, seal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
+KEY = b"k" * 32
 
 
 def listing(*roots) -> dict[str, str]:
@@ -75,6 +81,15 @@ def edit_config(run: Path, change) -> None:
     config = json.loads((run / "config.json").read_text())
     change(config)
     (run / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(run: Path, change) -> None:
+    """Change model.safetensors and write its new sha256 into config.json, as an attacker would:
+    the digest alone cannot tell (only a signature under a key can)."""
+    state = load_file(str(run / "model.safetensors"))
+    change(state)
+    save_file(state, str(run / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(run, lambda c: c["digests"].update({"model.safetensors": file_digest(run / "model.safetensors")}))
 
 
 # ------------------------------------------------------------------ python train.py / ilcp-train
@@ -469,6 +484,117 @@ def _(s):
     return lambda: s.h.save_pretrained(s.tmp / "lm-folder")
 
 
+@handoff_case("receive a payload of 100,000 latents for one question", PayloadError, "100000 latent(s)",
+              "1 question(s)")
+def _(s):
+    huge = pack(torch.zeros(100_000, s.h.latent_dim), lm_fingerprint=s.h.fingerprint).to_bytes()
+    return lambda: s.h.receive(huge, QUESTION)
+
+
+@handoff_case("receive(wire, None)", ValueError, "question", "got NoneType")
+def _(s):
+    return lambda: s.h.receive(s.wire, None)
+
+
+@handoff_case("receive(wire, 5)", ValueError, "question", "got int")
+def _(s):
+    return lambda: s.h.receive(s.wire, 5)
+
+
+@handoff_case("question with a lone surrogate", ValueError, "lone surrogate", "'\\ud800'")
+def _(s):
+    return lambda: s.h.receive(s.wire, "Where is \ud800 Mary?")
+
+
+@handoff_case("10-million-character question", ValueError, "10,000,000 characters", "shorten it")
+def _(s):
+    return lambda: s.h.receive(s.wire, "why " * 2_500_000)
+
+
+@handoff_case("send a 10-million-character context", ValueError, "10,000,000 characters", "shorten it")
+def _(s):
+    return lambda: s.h.send("Mary went " * 1_000_000)
+
+
+@handoff_case("send a context with a lone surrogate", ValueError, "lone surrogate")
+def _(s):
+    return lambda: s.h.send("Mary went to the \udfff kitchen.")
+
+
+@handoff_case("send a context of only whitespace", ValueError, "only whitespace")
+def _(s):
+    return lambda: s.h.send("   \n ")
+
+
+@handoff_case("send_from_hidden_states with an all-zero mask", ValueError, "no real token")
+def _(s):
+    ids = s.h.sender_inputs(["Mary went to the kitchen."])
+    with torch.no_grad():
+        outputs = s.lm.model(**ids, output_hidden_states=True)
+    return lambda: s.h.send_from_hidden_states(outputs, torch.zeros_like(ids["attention_mask"]))
+
+
+@handoff_case("a TransportPayload object to a receiver with a key", PayloadError, "not authenticated", "to_wire")
+def _(s):
+    keyed = ILCPHandoff.from_pretrained(s.run, lm=s.lm, auth_key=KEY)
+    payload = keyed.send("Mary went to the kitchen.")
+    return lambda: keyed.receive(payload, QUESTION)
+
+
+@handoff_case("a sealed payload received twice (replay)", PayloadError, "replayed payload")
+def _(s):
+    keyed = ILCPHandoff.from_pretrained(s.run, lm=s.lm, auth_key=KEY)
+    sealed = keyed.to_wire(keyed.send("Mary went to the kitchen."))
+    keyed.receive(sealed, QUESTION, max_new_tokens=1)  # the first delivery is accepted
+    return lambda: keyed.receive(sealed, QUESTION)
+
+
+@handoff_case("a sealed payload older than max_age", PayloadError, "old", "max_age of 60 s")
+def _(s):
+    keyed = ILCPHandoff.from_pretrained(s.run, lm=s.lm, auth_key=KEY, max_age=60)
+    stale = seal(s.wire, KEY, created_at=time.time() - 3600)
+    return lambda: keyed.receive(stale, QUESTION)
+
+
+@handoff_case("a sealed payload of envelope version 1 (no nonce)", PayloadError, "no nonce", "version 2")
+def _(s):
+    import hmac as hmac_
+
+    body = SEAL_MAGIC + bytes([1]) + s.wire
+    old = body + hmac_.new(KEY, body, hashlib.sha256).digest()
+    keyed = ILCPHandoff.from_pretrained(s.run, lm=s.lm, auth_key=KEY)
+    return lambda: keyed.receive(old, QUESTION)
+
+
+@handoff_case("from_pretrained with export_key on an unsigned export", ExportError, "config.json",
+              "no signature")
+def _(s):
+    return lambda: ILCPHandoff.from_pretrained(s.run, lm=s.lm, export_key=KEY)
+
+
+@handoff_case("signed export, weights edited and their digest recomputed", ExportError, "config.json",
+              "signature does not verify")
+def _(s):
+    run = sign_export(copy_run(s), KEY)
+    edit_weights(run, lambda state: state["projector.trunk.0.bias"].add_(0.5))
+    return lambda: ILCPHandoff.from_pretrained(run, lm=s.lm, export_key=KEY)
+
+
+@handoff_case("export whose model.safetensors gains a tensor 'evil'", ExportError, "model.safetensors", "'evil'")
+def _(s):
+    run = copy_run(s)
+    edit_weights(run, lambda state: state.update(evil=torch.zeros(3)))
+    return lambda: ILCPHandoff.from_pretrained(run, lm=s.lm)
+
+
+@handoff_case("export whose VAE input width does not fit its pooler", ExportError, "config.json",
+              "do not fit together")
+def _(s):
+    run = copy_run(s)
+    edit_config(run, lambda c: c["compressor"].update(input_dim=2 * c["compressor"]["input_dim"]))
+    return lambda: ILCPHandoff.from_pretrained(run, lm=s.lm)
+
+
 @pytest.mark.parametrize("case", list(HANDOFF))
 def test_handoff_refuses(case, handoff, wire, tiny_run, tiny_lm, tmp_path):
     prepare, (error, *words) = HANDOFF[case]
@@ -627,6 +753,50 @@ def _(s):
     return lambda: asyncio.run(s.agent.save(s.tmp / "snapshots"))
 
 
+def forged_snapshot(s, change) -> Path:
+    """A snapshot saved with KEY, edited by `change(tensors, metadata)`, its digest recomputed and
+    its old signature kept: what an attacker without the key can write."""
+    path = s.tmp / "agent.safetensors"
+    asyncio.run(rclc.bind(s.model, s.tok, prompt="Birch was launched in 1994.").save(path, key=KEY))
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+    change(tensors, metadata)
+    metadata["digest"] = content_digest(metadata, tensors["input_embeds"], tensors["token_ids"])
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+@rclc_case("load with a key a snapshot whose row was edited and digest recomputed", SnapshotError,
+           "agent.safetensors", "signature does not verify")
+def _(s):
+    path = forged_snapshot(s, lambda tensors, metadata: tensors["input_embeds"][1].add_(1e-5))
+    return lambda: asyncio.run(s.agent.load(path, key=KEY))
+
+
+@rclc_case("load with a key a snapshot whose counts were edited and digest recomputed", SnapshotError,
+           "signature does not verify")
+def _(s):
+    path = forged_snapshot(s, lambda tensors, metadata: metadata.update(
+        inherited_positions=str(int(metadata["inherited_positions"]) + 1)))
+    return lambda: asyncio.run(s.agent.load(path, key=KEY))
+
+
+@rclc_case("load with a key a snapshot saved without one", SnapshotError, "no signature")
+def _(s):
+    path = saved_snapshot(s)
+    return lambda: asyncio.run(s.agent.load(path, key=KEY))
+
+
+@rclc_case("load a snapshot whose metadata says 0 positions", SnapshotError, "at least one position",
+           "says 0")
+def _(s):
+    path = s.tmp / "empty.safetensors"
+    write_snapshot(path, torch.zeros(0, s.model.config.hidden_size), torch.zeros(0, dtype=torch.long),
+                   inherited_positions=0, latent_steps=0, fingerprint="0123456789abcdef")
+    return lambda: asyncio.run(s.agent.load(path))
+
+
 @pytest.mark.parametrize("case", list(RCLC))
 def test_rclc_refuses(case, tiny_lm, other_lm, tmp_path):
     prepare, (error, *words) = RCLC[case]
@@ -647,3 +817,57 @@ def test_rclc_refuses(case, tiny_lm, other_lm, tmp_path):
     # nothing delivered, no state replaced
     assert s.inbox == [] and all(len(r) == 0 for r in s.receivers)
     assert agent.sender_state() is kept and all(check() for check in s.after)
+
+
+# ------------------------------------------------------------------- what the refusals rely on
+
+
+def test_a_payload_is_checked_against_the_questions_before_anything_is_read_or_projected(handoff, monkeypatch):
+    """100,000 latents for one question: refused from the header, before the tensor is read or the
+    projector runs."""
+    huge = pack(torch.zeros(100_000, handoff.latent_dim), lm_fingerprint=handoff.fingerprint).to_bytes()
+    projected = []
+    monkeypatch.setattr(handoff.encoder, "memory", lambda *a, **k: projected.append(1))
+    monkeypatch.setattr("ilcp.transport._read_array", lambda *a, **k: pytest.fail("the tensor was read"))
+    with pytest.raises(PayloadError, match="100000 latent"):
+        handoff.receive(huge, QUESTION)
+    assert projected == []
+
+
+def test_a_replay_is_refused_and_a_fresh_seal_of_the_same_payload_is_accepted(tiny_run, tiny_lm):
+    sender = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key=KEY)
+    receiver = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key=KEY)
+    payload = sender.send("Mary went to the kitchen.")
+    first, second = sender.to_wire(payload), sender.to_wire(payload)
+    assert first != second  # a fresh nonce and time on every seal
+    receiver.receive(first, QUESTION, max_new_tokens=1)
+    with pytest.raises(PayloadError, match="replayed"):
+        receiver.receive(first, QUESTION, max_new_tokens=1)
+    receiver.receive(second, QUESTION, max_new_tokens=1)
+    other = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key=KEY)
+    other.receive(first, QUESTION, max_new_tokens=1)  # each receiver remembers its own nonces only
+
+
+def test_a_forged_digest_loads_without_a_key_and_is_refused_with_one(tiny_run, tmp_path):
+    """Without a key the digest protects against accidents only: an edit with its digest
+    recomputed loads (documented); the signature under a key refuses it."""
+    run = sign_export(Path(shutil.copytree(tiny_run.run_dir, tmp_path / "run")), KEY)
+    read_export(run, key=KEY)
+    edit_weights(run, lambda state: state["projector.trunk.0.bias"].add_(0.5))
+    read_export(run)
+    with pytest.raises(ExportError, match="signature does not verify"):
+        read_export(run, key=KEY)
+    with pytest.raises(ExportError, match="signature does not verify"):
+        read_export(sign_export(tmp_path / "run", b"j" * 32), key=KEY)  # signed under another key
+
+
+def test_an_overlong_question_is_refused_before_it_is_tokenised(handoff, wire, monkeypatch):
+    calls = []
+    tokenizer = handoff.lm.tokenizer
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda *a, **k: calls.append(1))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="characters"):
+        handoff.receive(wire, "x" * 10_000_000)
+    with pytest.raises(ValueError, match="characters"):
+        handoff.send("x" * 10_000_000)
+    assert calls == [] and time.perf_counter() - start < 1.0

@@ -36,7 +36,7 @@ from typing import Iterator
 
 import torch
 
-from ilcp.checks import positive_int
+from ilcp.checks import check_key, positive_int
 from ilcp.rclc import snapshot as snapshots
 from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.backends import resolve_backend
@@ -494,12 +494,14 @@ class Agent:
     # ---------------------------------------------------------------------------------------
     # snapshots
 
-    async def save(self, path) -> None:
+    async def save(self, path, *, key: bytes | None = None) -> None:
         """Atomically write the retained rows, aligned IDs and counts to a safetensors file.
 
-        The metadata carries the LM fingerprint (weights, forward config, vocabulary). No
-        weights, caches, history, queue or sampling settings are written. Cancellation waits
-        for the write, which may already have completed.
+        The metadata carries the LM fingerprint (weights, forward config, vocabulary) and a
+        sha256 digest (against accidents); with ``key`` (bytes, >= 16) also an HMAC of the digest,
+        which `load` with the same key verifies (against edits). No weights, caches, history,
+        queue or sampling settings are written. Cancellation waits for the write, which may
+        already have completed.
 
         Raises:
             RuntimeError: inputs are pending or handoffs are queued.
@@ -512,19 +514,22 @@ class Agent:
         if Path(path).is_dir():
             raise IsADirectoryError(f"cannot save a snapshot to {str(path)!r}: it is a folder; pass a file path "
                                     "such as agent.safetensors")
+        if key is not None:
+            check_key(key)
         with self._running("save()"):
-            await run_in_worker(self._write_snapshot, Path(path), lock=False)
+            await run_in_worker(self._write_snapshot, Path(path), key, lock=False)
 
-    def _write_snapshot(self, path: Path) -> None:
+    def _write_snapshot(self, path: Path, key: bytes | None = None) -> None:
         with MODEL_LOCK:
             rows, ids, inherited, latent = self._current_rows()
             fingerprint = self._backend.fingerprint()
             identity = self._backend.describe()
         snapshots.write_snapshot(path, rows, ids, inherited_positions=inherited, latent_steps=latent,
-                                 fingerprint=fingerprint, identity=identity)
+                                 fingerprint=fingerprint, identity=identity, key=key)
 
-    async def load(self, path) -> None:
-        """Restore a snapshot as the explicit state (validated first, then re-prefilled).
+    async def load(self, path, *, key: bytes | None = None) -> None:
+        """Restore a snapshot as the explicit state (validated first, then re-prefilled); with
+        ``key``, only a snapshot saved with that key (its signature verifies).
 
         Raises:
             RuntimeError: inputs are pending or handoffs are queued.
@@ -536,20 +541,22 @@ class Agent:
         self._check_idle("load()")
         self._check_no_pending("load")
         self._check_no_queue("load")
+        if key is not None:
+            check_key(key)
         with self._running("load()"):
-            state = await run_in_worker(self._read_snapshot, Path(path), lock=False)
+            state = await run_in_worker(self._read_snapshot, Path(path), key, lock=False)
         self._explicit = state
 
-    def _read_snapshot(self, path: Path) -> SenderState:
+    def _read_snapshot(self, path: Path, key: bytes | None = None) -> SenderState:
         try:
-            return self._restore_snapshot(path)
+            return self._restore_snapshot(path, key)
         except snapshots.SnapshotError as e:  # name the file: an agent loop may restore several
             if str(path) in str(e):
                 raise
             raise snapshots.SnapshotError(f"snapshot {str(path)!r}: {e}") from None
 
-    def _restore_snapshot(self, path: Path) -> SenderState:
-        snap = snapshots.read_snapshot(path)
+    def _restore_snapshot(self, path: Path, key: bytes | None = None) -> SenderState:
+        snap = snapshots.read_snapshot(path, key)
         backend = self._backend
         with MODEL_LOCK:
             snapshots.check_compatible(snap, fingerprint=backend.fingerprint(), dtype=backend.dtype,

@@ -10,7 +10,11 @@ history, queued handoffs or sampling settings):
 
 The digest (version 2) is the sha256 of every other metadata string and of both tensors' raw
 bytes, so a flipped bit anywhere in the file is refused; version-1 files, written before it,
-still load (structural checks only).
+still load (structural checks only). The digest protects against accidents, not edits: whoever
+can change the file can recompute it. With a key (``key=`` of `write_snapshot` and
+`read_snapshot`, `Agent.save` and `Agent.load`), the metadata also carries ``signature``, an
+HMAC-SHA256 of the digest under the key; a reader given the key refuses a snapshot whose
+signature is missing or does not verify, so an edit with a recomputed digest is refused.
 
 Files are written atomically (temporary file, then rename) and read without unpickling: the
 header is parsed and checked before any tensor is loaded, so truncated, corrupted or foreign
@@ -20,6 +24,7 @@ files raise `SnapshotError` with the reason.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ilcp.checks import check_key
 from ilcp.io import atomic_save_safetensors
 
 FORMAT = "ilcp.rclc.agent-snapshot"
@@ -65,8 +71,10 @@ class Snapshot:
 
 
 def write_snapshot(path, input_embeds: torch.Tensor, token_ids: torch.Tensor, *, inherited_positions: int,
-                   latent_steps: int, fingerprint: str, identity: dict | None = None) -> None:
-    """Atomically write a snapshot of rows [T, hidden] and IDs [T] to ``path``."""
+                   latent_steps: int, fingerprint: str, identity: dict | None = None,
+                   key: bytes | None = None) -> None:
+    """Atomically write a snapshot of rows [T, hidden] and IDs [T] to ``path``; with ``key``,
+    signed (see the module docstring)."""
     dtype = str(input_embeds.dtype).replace("torch.", "")
     metadata = {
         "format": FORMAT,
@@ -82,15 +90,22 @@ def write_snapshot(path, input_embeds: torch.Tensor, token_ids: torch.Tensor, *,
     tensors = {"input_embeds": input_embeds.detach().cpu().contiguous(),
                "token_ids": token_ids.detach().cpu().to(torch.long).contiguous()}
     metadata["digest"] = content_digest(metadata, tensors["input_embeds"], tensors["token_ids"])
+    if key is not None:
+        metadata["signature"] = _signature(metadata["digest"], key)
     atomic_save_safetensors(tensors, Path(path), metadata=metadata)
 
 
 def content_digest(metadata: dict, input_embeds: torch.Tensor, token_ids: torch.Tensor) -> str:
-    """sha256 over the metadata (but its digest) and the raw bytes of both tensors."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "digest"}, sort_keys=True).encode())
+    """sha256 over the metadata (but its digest and signature) and the raw bytes of both tensors."""
+    kept = {k: v for k, v in metadata.items() if k not in ("digest", "signature")}
+    h = hashlib.sha256(json.dumps(kept, sort_keys=True).encode())
     for t in (input_embeds, token_ids):
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _signature(digest: str, key: bytes) -> str:
+    return hmac.new(check_key(key), f"{FORMAT}:{digest}".encode(), hashlib.sha256).hexdigest()
 
 
 def _int(metadata: dict, key: str) -> int:
@@ -128,13 +143,18 @@ def _header(data: bytes) -> dict:
     return header
 
 
-def read_snapshot(path) -> Snapshot:
-    """Parse and structurally validate a snapshot file (shapes, dtypes, counts, finite rows).
+def read_snapshot(path, key: bytes | None = None) -> Snapshot:
+    """Parse and structurally validate a snapshot file (shapes, dtypes, counts, finite rows);
+    with ``key``, its signature must verify.
 
     Raises:
         SnapshotError: unreadable, truncated, corrupted, of another format or version, or
-            inconsistent (rows, IDs and counts that disagree).
+            inconsistent (rows, IDs and counts that disagree); with a key, unsigned or signed
+            otherwise (edited, or under another key).
+        ValueError: a key that is not bytes of length >= 16.
     """
+    if key is not None:
+        key = check_key(key)
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -160,11 +180,22 @@ def read_snapshot(path) -> Snapshot:
     if metadata.get("version") != "1":
         if metadata.get("digest") != content_digest(metadata, rows, ids):
             raise SnapshotError("corrupted snapshot: its content does not match its digest")
+    if key is not None:
+        signature = metadata.get("signature")
+        if signature is None or metadata.get("version") == "1":
+            raise SnapshotError("the snapshot carries no signature, but a key was given: save it with the key "
+                                "(agent.save(path, key=key)), or load it without one")
+        if not hmac.compare_digest(str(signature), _signature(str(metadata.get("digest")), key)):
+            raise SnapshotError("the snapshot's signature does not verify: it was edited after saving (its digest "
+                                "recomputed), or signed with another key")
     positions = _int(metadata, "positions")
     hidden = _int(metadata, "hidden_size")
     inherited = _int(metadata, "inherited_positions")
     latent = _int(metadata, "latent_steps")
-    if rows.dim() != 2 or tuple(rows.shape) != (positions, hidden) or positions < 1:
+    if positions < 1:
+        raise SnapshotError(f"a snapshot holds at least one position; its metadata says {positions} "
+                            f"(input_embeds is {tuple(rows.shape)})")
+    if rows.dim() != 2 or tuple(rows.shape) != (positions, hidden):
         raise SnapshotError(f"input_embeds is {tuple(rows.shape)}, metadata says ({positions}, {hidden})")
     if not rows.is_floating_point() or str(rows.dtype).replace("torch.", "") != metadata.get("dtype"):
         raise SnapshotError(f"input_embeds dtype {rows.dtype} does not match metadata {metadata.get('dtype')!r}")
