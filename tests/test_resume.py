@@ -104,3 +104,30 @@ def test_overwrite_with_an_lm_that_does_not_load_keeps_the_old_run(tmp_path, tin
         train(load_config(TINY, _base(tmp_path) + ["lm.spec=no-such-lm"]), overwrite=True)
     assert sorted(p.relative_to(first.run_dir) for p in first.run_dir.rglob("*")) == before
     read_export(first.run_dir)
+
+
+def test_a_truncated_last_checkpoint_is_refused_then_discarded_and_every_temporary_file_cleared(tmp_path, tiny_lm):
+    first = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm)
+    stage = first.run_dir / "stages" / "prompt_tuned"
+    (stage / "prompt_tuned.safetensors").unlink()  # killed before the stage was marked done
+    ckpt = stage / "checkpoints" / "last.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    litter = [first.run_dir / ".tmpAb3De9",  # safetensors' own temporary file, left by a kill
+              stage / ".tmpZZ0912", stage / ".metrics.json.0123456789ab.tmp"]  # and this package's
+    for path in litter:
+        path.write_bytes(b"")
+    before = sorted(p.relative_to(first.run_dir) for p in first.run_dir.rglob("*"))
+    with pytest.raises(ValueError, match=r"last\.ckpt cannot be resumed from: it is truncated.*--discard-last"):
+        train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True)
+    assert sorted(p.relative_to(first.run_dir) for p in first.run_dir.rglob("*")) == before  # nothing touched
+    with pytest.raises(ValueError, match="goes with --resume"):
+        train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, discard_last=True)
+    resumed = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True, discard_last=True)
+    assert not any(path.exists() for path in litter)
+    assert resumed.metrics["variants"]["prompt_tuned"]["steps"] == 4
+    assert read_export(resumed.run_dir).soft_prompts["prompt_tuned"].shape[0] == 2
+    kept = (first.run_dir / ".tmp-notes.txt", first.run_dir / "tmpAb3De9")  # not temporary files of a write
+    for path in kept:
+        path.write_text("mine")
+    train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True)
+    assert all(path.read_text() == "mine" for path in kept)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import pickle
 from pathlib import Path
 
 import lightning as L
@@ -88,10 +89,37 @@ def read_curve(cfg, name: str) -> list[dict]:
 
 
 def last_checkpoint(stage_dir: Path) -> Path | None:
+    """The stage's ``last.ckpt`` to resume from, checked readable (`read_checkpoint`); None when
+    there is none."""
     p = stage_dir / "checkpoints" / "last.ckpt"
-    return p if p.is_file() else None
+    if not p.is_file():
+        return None
+    read_checkpoint(p)
+    return p
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A Lightning checkpoint, read without unpickling arbitrary objects (``weights_only``).
+
+    Raises:
+        ValueError: one line naming the file, why it cannot be read (truncated, not a checkpoint,
+            pickled objects that are not tensors, which are refused unread) and how to continue.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        problem = "it holds pickled objects other than tensors and plain values (refused unread: no code in it ran)"
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")  # torch's first sentence
+        problem = f"it is truncated or not a checkpoint ({reason})"
+    else:
+        if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
+            return checkpoint
+        problem = "it is not a Lightning checkpoint (no state_dict)"
+    raise ValueError(f"{path} cannot be resumed from: {problem}; continue with --resume --discard-last (the "
+                     "unfinished stage starts again) or delete the file")
 
 
 def checkpoint_state(path: Path) -> dict[str, Tensor]:
     """A Lightning checkpoint's state dict, read without unpickling arbitrary objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return read_checkpoint(path)["state_dict"]

@@ -9,8 +9,11 @@
 4. export (`ilcp.export`) to ``checkpoints/RUN``.
 
 Each stage keeps a ``last.ckpt`` and writes its trained tensors when done; ``resume=True`` skips
-finished stages and continues the unfinished one. With several devices every rank runs `train`;
-rank 0 alone prepares the run directory and writes files (`ilcp.training.distributed`).
+finished stages and continues the unfinished one (``discard_last=True`` as well: unfinished
+stages start again, their checkpoints and logs dropped, for a ``last.ckpt`` that cannot be read).
+Nothing is written before the settings, the run folder and the LM have been checked. With
+several devices every rank runs `train`; rank 0 alone prepares the run directory and writes
+files (`ilcp.training.distributed`).
 Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loading it), data
 (task rows and the sender's states), compressor, reconstruct, every variant, export); ``on_stage_done(name)`` is called after each.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -36,7 +40,7 @@ from .data import HandoffDataModule, prepare_data, sender_max_length
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
 from .reconstruction_stage import train_reconstruction
-from .log import run_precision, say
+from .log import read_checkpoint, run_precision, say
 
 
 @dataclass
@@ -47,8 +51,13 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm: LM | None = None,
-          on_stage_done: Callable[[str], None] | None = None) -> TrainResult:
+          on_stage_done: Callable[[str], None] | None = None, discard_last: bool = False) -> TrainResult:
     """Run both stages for every configured variant and export to ``cfg.run_dir``.
+
+    ``resume`` continues the run there (refused when there is none); with ``discard_last`` its
+    unfinished stages start again rather than from their ``last.ckpt``. Every check that can
+    refuse the run (settings, the folder, a changed setting on resume, the accelerator, the LM
+    and the layers it pools) comes before anything is written or deleted.
 
     ``on_stage_done(name)`` is called once a stage (lm, data, compressor, reconstruct, a variant,
     export) is done and saved, before the next begins.
@@ -57,16 +66,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     the command that was run is rank 0 and starts the others, which run the same command (see
     `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files."""
     cfg.validate()
+    if discard_last and not resume:
+        raise ValueError("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
     cfg = copy.deepcopy(cfg)  # data.max_length=0 is resolved on this copy once the LM is loaded
     procs = Processes(cfg.trainer)
     for name in ("compressor.batch_size", "reconstruct.batch_size", "handoff.batch_size"):
         section, key = name.split(".")
         check_global_batch(getattr(getattr(cfg, section), key), name, procs.world_size)
     if procs.is_main:  # before the other ranks exist: no rank sees a half-prepared directory
-        if overwrite and lm is None and cfg.run_dir.exists():
-            # an LM spec that does not load fails here, before --overwrite deletes the old run
+        raised = _check_run_dir(cfg, resume, overwrite, discard_last)
+        check_accelerator(cfg.trainer)
+        if lm is None:  # an LM spec that does not load fails here, before anything is written or deleted
             lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
-        _prepare_run_dir(cfg, resume, overwrite)
+        check_pool_layers(cfg, lm)
+        _prepare_run_dir(cfg, resume, overwrite, discard_last, raised)
     procs.launch()
     try:
         result = _train(cfg, resume, lm, procs, StageClock(on_stage_done))
@@ -77,10 +90,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     return result
 
 
-def _prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
-    """Refuse an existing run unless resumed or overwritten; delete what --overwrite replaces and
-    what a kill left half written; save the resolved config."""
+def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last: bool = False) -> dict:
+    """Refuse, writing nothing: an out_dir that is a file, an existing run unless resumed or
+    overwritten, a folder that is not a run, --resume where there is no run, changed settings on
+    resume, an unfinished stage's last.ckpt that cannot be read (unless discarded). Returns the
+    raised step budgets a resume records (`_check_resumed_settings`)."""
     run_dir = cfg.run_dir
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"{folder} is a file, not a folder: choose another out_dir (or run_name)")
+            break
     started = _started(run_dir)
     if started and not (resume or overwrite):
         raise FileExistsError(
@@ -90,14 +110,85 @@ def _prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     if run_dir.exists() and any(run_dir.iterdir()) and not _looks_like_run(run_dir):
         raise FileExistsError(f"{run_dir} exists and is not a run directory of this package: choose another "
                               "run_name or out_dir (nothing was deleted)")
+    if resume and not started and not (run_dir / "train_config.yaml").is_file():
+        raise FileNotFoundError(f"--resume: {run_dir} holds no run to resume; check out_dir and run_name, or start "
+                                "it without --resume")
     if resume and started:
-        _check_resumed_settings(cfg, run_dir / "train_config.yaml")
-        for tmp in run_dir.rglob(".*.tmp"):  # atomic writes cut short by a kill
+        raised = _check_resumed_settings(cfg, run_dir / "train_config.yaml")
+        if not discard_last:
+            for stage in _unfinished_stages(run_dir):
+                if (stage / "checkpoints" / "last.ckpt").is_file():
+                    read_checkpoint(stage / "checkpoints" / "last.ckpt")
+        return raised
+    return {}
+
+
+def _prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last: bool = False,
+                     raised: dict | None = None) -> None:
+    """After `_check_run_dir`: delete what --overwrite replaces and what a kill left half written
+    (and, with ``discard_last``, the checkpoints of unfinished stages); record raised step budgets;
+    save the resolved config."""
+    run_dir = cfg.run_dir
+    started = _started(run_dir)
+    if resume and started:
+        if raised:
+            _record_raised(run_dir / "resumes.json", raised)
+        for tmp in temporary_files(run_dir):  # writes cut short by a kill
             tmp.unlink(missing_ok=True)
+        if discard_last:
+            _discard_unfinished(run_dir)
     elif run_dir.exists() and (overwrite or not started):
         shutil.rmtree(run_dir)  # a run to redo, or a start that failed before any stage
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "train_config.yaml")
+
+
+# this package's atomic writes (`ilcp.io`: .NAME.HEX.tmp) and safetensors' own (.tmpXXXXXX)
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]+\.tmp|\.tmp[A-Za-z0-9]{6}")
+
+
+def temporary_files(run_dir: Path) -> list[Path]:
+    """The temporary files a killed run can leave anywhere in its folder."""
+    return sorted(p for p in run_dir.rglob(".*") if p.is_file() and _TEMPORARY.fullmatch(p.name))
+
+
+def _unfinished_stages(run_dir: Path) -> list[Path]:
+    """The stage folders without both their NAME.safetensors and metrics.json."""
+    stages = sorted(p for p in (run_dir / "stages").iterdir() if p.is_dir()) if (run_dir / "stages").is_dir() else []
+    return [p for p in stages if not ((p / f"{p.name}.safetensors").is_file() and (p / "metrics.json").is_file())]
+
+
+def _discard_unfinished(run_dir: Path) -> None:
+    """Each unfinished stage loses its checkpoints, starting weights and logs, so it trains again
+    from its beginning."""
+    for stage in _unfinished_stages(run_dir):
+        say(f"{stage.name}: --discard-last: its checkpoints are dropped, the stage starts again")
+        shutil.rmtree(stage / "checkpoints", ignore_errors=True)
+        (stage / "start.safetensors").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "logs" / stage.name, ignore_errors=True)
+
+
+def check_accelerator(trainer) -> None:
+    """ValueError when ``trainer.accelerator`` names hardware this machine does not have."""
+    import torch
+
+    name = trainer.accelerator
+    if name in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.accelerator={name} but no CUDA GPU is available here "
+                         "(torch.cuda.is_available() is False): use trainer.accelerator=cpu or auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("trainer.accelerator=mps but MPS is not available here: use trainer.accelerator=cpu or auto")
+
+
+def check_pool_layers(cfg: TrainConfig, lm: LM) -> None:
+    """ValueError when ``data.pool_layers`` names a hidden state the LM does not have."""
+    n = getattr(getattr(lm.model, "config", None), "num_hidden_layers", None)
+    if n is None:
+        return
+    bad = [i for i in cfg.data.pool_layers if not -(n + 1) <= i <= n]
+    if bad:
+        raise ValueError(f"data.pool_layers {bad} out of range: {lm.spec} has {n + 1} hidden states (indices "
+                         f"{-(n + 1)}..{n}, -1 the last)")
 
 
 class StageClock:
@@ -191,15 +282,21 @@ def _looks_like_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in ("train_config.yaml", "stages", export.CONFIG_FILE, "logs"))
 
 
-def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> None:
+def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
     """A resumed run must train what it started to: ValueError naming any changed setting, but
-    for a raised step budget, which is recorded in ``resumes.json`` beside the config."""
+    for a raised step budget, returned as {setting: [old, new]} (`_record_raised` writes it to
+    ``resumes.json`` beside the config)."""
     if not saved_path.is_file():
-        return
+        return {}
     try:
-        saved = flatten(yaml.safe_load(saved_path.read_text()) or {})
-    except yaml.YAMLError as e:
-        raise ValueError(f"{saved_path} is not readable YAML ({e}): start the run again with --overwrite") from None
+        loaded = yaml.safe_load(saved_path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        problem = " ".join(str(e).split())
+        raise ValueError(f"{saved_path} is not readable YAML ({problem}): start the run again with --overwrite") from None
+    if not isinstance(loaded, dict | None):
+        raise ValueError(f"{saved_path} must hold a mapping, got {type(loaded).__name__}: start the run again with "
+                         "--overwrite")
+    saved = flatten(loaded or {})
     now = flatten(cfg.to_dict())
     # a setting the package gained after the run started was, for that run, its default
     defaults = flatten(TrainConfig().to_dict())
@@ -211,8 +308,10 @@ def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> None:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
         raise ValueError(f"--resume with changed settings ({details}): resume with the run's own settings, or "
                          "start again with --overwrite or another run_name")
-    if raised:
-        log = saved_path.parent / "resumes.json"
-        history = json.loads(log.read_text()) if log.is_file() else []
-        history.append({k: [saved[k], now[k]] for k in raised})
-        atomic_write_json(log, history)
+    return {k: [saved[k], now[k]] for k in raised}
+
+
+def _record_raised(log: Path, raised: dict) -> None:
+    history = json.loads(log.read_text()) if log.is_file() else []
+    history.append(raised)
+    atomic_write_json(log, history)
