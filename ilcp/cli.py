@@ -111,8 +111,13 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue the run from its last checkpoints")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
+    parser.add_argument("--discard-last", action="store_true",
+                        help="with --resume: start the unfinished stages again instead of from their last.ckpt "
+                             "(for a checkpoint a kill left unreadable)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. handoff.max_steps=50")
     args = parser.parse_intermixed_args(argv)
+    if args.discard_last and not args.resume:
+        parser.error("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
     if args.config and Path(args.config).is_dir():
         parser.error(f"--config {args.config!r} is a directory: pass a YAML file such as configs/tiny.yaml")
     try:
@@ -127,7 +132,7 @@ def train_main(argv: list[str] | None = None) -> int:
     setup_logging()
     created = _first_missing(cfg.run_dir)
     try:
-        train(cfg, resume=args.resume, overwrite=args.overwrite)
+        train(cfg, resume=args.resume, overwrite=args.overwrite, discard_last=args.discard_last)
     except (FileExistsError, FileNotFoundError, ValueError, LMLoadError) as e:
         # an existing run, changed settings on resume, an empty split, a missing task file, an unknown LM
         if created is not None:
@@ -186,6 +191,14 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (tasks, methods) that is not only commas and spaces."""
+    names = _csv(text)
+    if text.strip() and not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(part) for part in _csv(text)]
@@ -197,11 +210,11 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ilcp-eval", description=EVAL_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
-    parser.add_argument("--tasks", type=_csv, default=[],
+    parser.add_argument("--tasks", type=_names, default=[],
                         help="extra tasks, comma-separated: babi:N, facts, facts-heldout (facts whose values training never used), or "
                              "babilong:N:LENGTH (bAbI task N in LENGTH tokens of prose: 0, 0.5k, 1k, 2k, 4k or a number); "
                              "the training task is always included")
-    parser.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
+    parser.add_argument("--methods", type=_names, default=list(DEFAULT_METHODS),
                         help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
                              f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
                              f"[:prefix|:tuned]; groups: {', '.join(METHOD_GROUPS)})")
@@ -291,9 +304,14 @@ def eval_main(argv: list[str] | None = None) -> int:
         import torch
 
         try:
-            torch.device(args.device)
+            device = torch.device(args.device)
         except (RuntimeError, ValueError):
             parser.error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device!r}: no CUDA GPU is available here (torch.cuda.is_available() is "
+                         "False); use --device cpu")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     setup_logging()
     log = logging.getLogger("ilcp.eval").info
     log(f"{ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "

@@ -10,6 +10,7 @@ naming the field before any model loads.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -257,9 +258,37 @@ class ReconstructConfig:
             raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
 
 
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+
+
+def _valid_devices(devices) -> bool:
+    """Lightning's forms of ``devices``: 'auto', an int >= 1 or -1, a non-empty list of indices
+    >= 0, or a string of an int or of comma-separated indices."""
+    def index(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, list):
+        return bool(devices) and all(index(d) for d in devices)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return True
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            return False
+        return bool(numbers) and (all(n >= 0 for n in numbers) if "," in text else numbers[0] >= 1 or numbers[0] == -1)
+    return False
+
+
 @dataclass
 class TrainerConfig:
-    accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu")
+    accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu (= cuda), mps, tpu (with torch_xla)")
     devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto'); with more than one, the batch sizes are "
                          "global (each device takes batch_size / devices rows a step)")
     num_nodes: int = _f(1, "Lightning num_nodes")
@@ -275,6 +304,14 @@ class TrainerConfig:
     def __post_init__(self):
         if self.num_nodes < 1:
             raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
+        if self.accelerator == "tpu" and importlib.util.find_spec("torch_xla") is None:
+            raise ValueError("trainer.accelerator=tpu needs torch_xla, which is not installed here: use "
+                             "trainer.accelerator=cpu, gpu or auto")
+        if not _valid_devices(self.devices):
+            raise ValueError(f"trainer.devices must be 'auto', an int >= 1 (or -1: all), a list of device indices "
+                             f"or a string of them such as '0,1'; got {self.devices!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if any(word in str(self.strategy) for word in ("spawn", "fork", "notebook")):

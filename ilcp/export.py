@@ -484,8 +484,10 @@ def _check_run_files(path: Path, config: dict) -> None:
             text = fpath.read_text(encoding="utf-8")
             value = json.loads(text) if what == "JSON" else yaml.safe_load(text)
         except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-            problem = " ".join(str(e).split())
-            raise ExportError(f"{fpath} is not valid {what}: {problem}") from None
+            problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+            if problem and mark is not None:  # PyYAML's message spans several lines
+                problem = f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+            raise ExportError(f"{fpath} is not valid {what}: {problem or ' '.join(str(e).split())}") from None
         if not isinstance(value, dict):
             raise ExportError(f"{fpath} must hold a {what} mapping, got {type(value).__name__}")
 

@@ -198,6 +198,84 @@ def _(s):
     return ["fit", "--config", str(TINY)]
 
 
+def resumable_copy(s) -> Path:
+    """The tiny run copied to runs/tiny as if trained there, with its prompt_tuned stage unfinished."""
+    run = Path(shutil.copytree(s.run, s.tmp / "runs" / "tiny"))
+    saved = yaml.safe_load((run / "train_config.yaml").read_text())
+    saved.update(out_dir=str(s.tmp / "runs"))
+    (run / "train_config.yaml").write_text(yaml.safe_dump(saved))
+    (run / "stages" / "prompt_tuned" / "prompt_tuned.safetensors").unlink()
+    return run
+
+
+class CodeOnLoad:
+    """A pickled object whose loading would create a file: a checkpoint carrying code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@train_case("trainer.accelerator=tpu without torch_xla", "trainer.accelerator", "torch_xla")
+def _(s):
+    return ["--config", str(TINY), *runs(s), "trainer.accelerator=tpu"]
+
+
+@train_case("trainer.accelerator unknown", "trainer.accelerator", "'abacus'")
+def _(s):
+    return ["--config", str(TINY), *runs(s), "trainer.accelerator=abacus"]
+
+
+@train_case("trainer.accelerator=gpu without a GPU", "trainer.accelerator=gpu", "no CUDA GPU")
+def _(s):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    return ["--config", str(TINY), *runs(s), "trainer.accelerator=gpu"]
+
+
+@train_case("trainer.devices=abc", "trainer.devices", "'abc'")
+def _(s):
+    return ["--config", str(TINY), *runs(s), "trainer.devices=abc"]
+
+
+@train_case("data.pool_layers=[99]", "data.pool_layers", "[99]", "hidden states")
+def _(s):
+    return ["--config", str(TINY), *runs(s), "data.pool_layers=[99]"]
+
+
+@train_case("out_dir is an existing file", "notes.txt", "is a file")
+def _(s):
+    (s.tmp / "notes.txt").write_text("mine")
+    return ["--config", str(TINY), f"out_dir={s.tmp / 'notes.txt'}", f"lm.cache_dir={s.tmp / 'cache'}"]
+
+
+@train_case("--resume on a run that does not exist", "--resume", "holds no run to resume")
+def _(s):
+    return ["--config", str(TINY), "--resume", *runs(s)]
+
+
+@train_case("--discard-last without --resume", "--discard-last", "--resume")
+def _(s):
+    return ["--config", str(TINY), "--discard-last", *runs(s)]
+
+
+@train_case("--resume with a truncated last.ckpt", "prompt_tuned/checkpoints/last.ckpt", "truncated",
+            "--resume --discard-last")
+def _(s):
+    ckpt = resumable_copy(s) / "stages" / "prompt_tuned" / "checkpoints" / "last.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    return ["--config", str(TINY), "--resume", *runs(s)]
+
+
+@train_case("--resume with a last.ckpt that carries code", "last.ckpt", "refused unread", "--discard-last")
+def _(s):
+    ckpt = resumable_copy(s) / "stages" / "prompt_tuned" / "checkpoints" / "last.ckpt"
+    torch.save({"state_dict": {}, "hook": CodeOnLoad(s.tmp / "ran.txt")}, ckpt)
+    return ["--config", str(TINY), "--resume", *runs(s)]  # ran.txt appearing would fail the listing
+
+
 @pytest.mark.parametrize("case", list(TRAIN))
 def test_train_command_refuses(case, tiny_run, tmp_path, capsys):
     prepare, words = TRAIN[case]
@@ -321,6 +399,37 @@ def _(s):
 def _(s):
     run = copy_run(s)
     edit_config(run, lambda c: c["lm"].update(spec="no-such-lm"))
+    return ["--ckpt", str(run)]
+
+
+@eval_case("--device cuda without a GPU", "--device 'cuda'", "no CUDA GPU")
+def _(s):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    return ["--ckpt", str(s.run), "--device", "cuda"]
+
+
+@eval_case("--tasks ','", "--tasks", "','")
+def _(s):
+    return ["--ckpt", str(s.run), "--tasks", ","]
+
+
+@eval_case("--methods ' , '", "--methods", "' , '")
+def _(s):
+    return ["--ckpt", str(s.run), "--methods", " , "]
+
+
+@eval_case("corrupt metrics.json", "metrics.json", "not valid JSON")
+def _(s):
+    run = copy_run(s)
+    (run / "metrics.json").write_text('{"variants": ')
+    return ["--ckpt", str(run)]
+
+
+@eval_case("corrupt train_config.yaml", "train_config.yaml", "not valid YAML")
+def _(s):
+    run = copy_run(s)
+    (run / "train_config.yaml").write_text("handoff: [unclosed\n")
     return ["--ckpt", str(run)]
 
 
