@@ -37,7 +37,7 @@ TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned basel
 Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME."""
 EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
 
-    ilcp-eval --ckpt checkpoints/default                          # about 8 min on 2 CPU cores
+    ilcp-eval --ckpt checkpoints/default                          # minutes on 2 CPU cores
     ilcp-eval --ckpt checkpoints/default --tasks babi:2           # plus a held-out task, ~+6 min
     ilcp-eval --ckpt checkpoints/tiny --limit 8 --latency-n 2     # seconds, tiny test LM
     ilcp-eval --ckpt checkpoints/default --limit 0                # every test question
