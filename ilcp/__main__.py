@@ -1,4 +1,4 @@
-"""``python -m ilcp train ...`` / ``python -m ilcp eval ...`` (see `ilcp.cli`)."""
+"""``python -m ilcp train ...`` / ``eval ...`` / ``report`` (see `ilcp.cli`)."""
 
 import sys
 

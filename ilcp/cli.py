@@ -1,5 +1,6 @@
 """Command lines: ``ilcp-train`` / ``python -m ilcp train`` and ``ilcp-eval`` / ``python -m ilcp
-eval`` (``train.py`` and ``eval.py`` at the repository root call the same functions).
+eval`` (``train.py`` and ``eval.py`` at the repository root call the same functions), and
+``python -m ilcp report`` (the docs generated from docs/results, `ilcp.results_docs`).
 
 Progress goes through `logging` (logger ``ilcp``, one ``[ilcp]`` line per event); Lightning's
 start-up banners and tips are silenced here, in the command lines, never at import time.
@@ -36,7 +37,7 @@ TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned basel
 Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME."""
 EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
 
-    ilcp-eval --ckpt checkpoints/default                          # about 8 min on 2 CPU cores
+    ilcp-eval --ckpt checkpoints/default                          # minutes on 2 CPU cores
     ilcp-eval --ckpt checkpoints/default --tasks babi:2           # plus a held-out task, ~+6 min
     ilcp-eval --ckpt checkpoints/tiny --limit 8 --latency-n 2     # seconds, tiny test LM
     ilcp-eval --ckpt checkpoints/default --limit 0                # every test question
@@ -333,11 +334,18 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def report_main(argv: list[str] | None = None) -> int:
+    """``python -m ilcp report [--check]``: the docs generated from docs/results (`ilcp.results_docs`)."""
+    from .results_docs import main as report
+
+    return report(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ilcp train ...`` or ``python -m ilcp eval ...``."""
+    """``python -m ilcp train ...``, ``python -m ilcp eval ...`` or ``python -m ilcp report``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "eval": eval_main}
-    usage = "usage: python -m ilcp {train,eval} [arguments]  (python -m ilcp train --help)"
+    commands = {"train": train_main, "eval": eval_main, "report": report_main}
+    usage = "usage: python -m ilcp {train,eval,report} [arguments]  (python -m ilcp train --help)"
     if argv and argv[0] in ("-h", "--help"):
         print(usage)
         return 0

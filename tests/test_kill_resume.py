@@ -112,7 +112,7 @@ def test_a_run_killed_after_a_stage_resumes_there(boundary, tmp_path, uninterrup
 
 def test_a_stage_resumed_from_its_checkpoint_keeps_the_validation_rows_logged_before(tmp_path, tiny_lm):
     """Lightning's CSV logger deletes a stage's metrics.csv when it starts again: the rows of the
-    interrupted attempt are kept beside it and stay in the stage's curve."""
+    interrupted attempt are kept in logs/NAME.earlier and stay in the stage's curve."""
     base = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[prompt_tuned]"]
     first = train(load_config(TINY, base), lm=tiny_lm)
     stage, logs = first.run_dir / "stages" / "prompt_tuned", first.run_dir / "logs" / "prompt_tuned"
@@ -123,4 +123,5 @@ def test_a_stage_resumed_from_its_checkpoint_keeps_the_validation_rows_logged_be
     curve = resumed.metrics["variants"]["prompt_tuned"]["curve"]
     assert [r["step"] for r in curve] == [2, 4, 6, 8]
     assert curve[:2] == first.metrics["variants"]["prompt_tuned"]["curve"]
-    assert sorted(p.name for p in logs.glob("metrics*.csv")) == ["metrics.0.csv", "metrics.csv"]
+    assert [p.name for p in logs.iterdir()] == ["metrics.csv"]
+    assert [p.name for p in logs.with_name("prompt_tuned.earlier").iterdir()] == ["metrics.0.csv"]

@@ -55,6 +55,7 @@ from ..handoff import ILCPHandoff
 from ..lm import LM, load_lm
 from ..pooling import context_lengths
 from ..precision import autocast, resolve
+from ..provenance import provenance
 from ..babilong import is_babilong_name, length_label, parse_babilong_name
 from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
                      make_facts)
@@ -503,6 +504,7 @@ def evaluate(
                      "engine": config.engine, "precision": session.precision,
                      "torch_threads": torch.get_num_threads()},
         "vllm": session.engine_info,
+        "provenance": provenance(),
         "tasks": {},
         "skipped": session.skipped,
     }

@@ -11,6 +11,7 @@ pooler) learn what the answers need without an LM forward; the head is dropped a
 from __future__ import annotations
 
 import json
+import warnings
 
 import lightning as L
 import torch
@@ -29,7 +30,7 @@ from ..memory_kinds import MemoryKind, memory_kind_for
 from ..pooling import AttentionPooler, ConcatPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
-from .log import keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, say
+from .log import ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts, prepare_stage_log, say
 
 
 def question_features(lm: LM, questions: list[str]) -> Tensor:
@@ -190,9 +191,11 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     trainer = make_trainer(cfg, stage_dir, "compressor", [ckpt], max_epochs=c.epochs,
                            check_val_every_n_epoch=max(1, c.epochs // 6))
     last = last_checkpoint(stage_dir) if resume else None
-    if last is not None:
-        keep_earlier_log(cfg, "compressor")
-    trainer.fit(module, loader, val_loader, ckpt_path=last)
+    prepare_stage_log(cfg, "compressor", resuming=last is not None)
+    with warnings.catch_warnings():
+        if last is not None:
+            ignore_resume_warnings()
+        trainer.fit(module, loader, val_loader, ckpt_path=last)
     if pooler is not None:
         pooler.requires_grad_(True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

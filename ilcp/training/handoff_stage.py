@@ -39,7 +39,8 @@ from ..projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from ..io import atomic_save_safetensors
 from .distributed import broadcast, is_main, reduce_sum, save_stage
-from .log import checkpoint_state, keep_earlier_log, last_checkpoint, make_trainer, parameter_counts, read_curve, say
+from .log import (checkpoint_state, ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts,
+                  prepare_stage_log, read_curve, say)
 
 def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
     """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
@@ -349,10 +350,12 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
     start_file = stage_dir / "start.safetensors"
     if last is not None:
         say(f"{name}: resuming from {last}")
-        keep_earlier_log(cfg, name)
+    prepare_stage_log(cfg, name, resuming=last is not None)
     with warnings.catch_warnings():
         # The frozen LM is in eval mode on purpose (see HandoffModule.train).
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        if last is not None:
+            ignore_resume_warnings()
         if start is not None and last is None:
             if is_main():
                 atomic_save_safetensors(export.trained_state(start), start_file, {"format": "pt"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import logging
 import pickle
+import shutil
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -48,10 +50,16 @@ def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> 
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=run_precision(cfg), logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
         callbacks=callbacks, enable_progress_bar=t.progress, enable_model_summary=False,
-        default_root_dir=str(stage_dir), num_sanity_val_steps=0, log_every_n_steps=5,
+        default_root_dir=str(stage_dir), num_sanity_val_steps=0,
+        log_every_n_steps=1,  # every step's loss; an interval above an epoch's batches logs nothing (and warns)
         use_distributed_sampler=False,  # the loaders shard the global batches themselves (`data.row_loader`)
         **kwargs,
     )
+
+
+def _earlier_folder(cfg, name: str) -> Path:
+    """Where the CSV logs of a stage's interrupted attempts are kept: ``RUN/logs/NAME.earlier``."""
+    return cfg.run_dir / "logs" / f"{name}.earlier"
 
 
 def _earlier_logs(folder: Path) -> list[Path]:
@@ -60,14 +68,32 @@ def _earlier_logs(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split(".")[1]))
 
 
-def keep_earlier_log(cfg, name: str) -> None:
-    """Before a stage resumes from its checkpoint: Lightning's CSV logger deletes ``metrics.csv``
-    when it starts, so the rows logged before the interruption move to ``metrics.N.csv``
-    (`read_curve` reads them too)."""
-    folder = cfg.run_dir / "logs" / name
+def prepare_stage_log(cfg, name: str, resuming: bool) -> None:
+    """Before a stage's trainer starts: Lightning's CSV logger deletes ``metrics.csv`` (and warns)
+    when it finds its folder not empty, so the folder is emptied here. Resuming from a checkpoint,
+    the rows logged before the interruption move to ``RUN/logs/NAME.earlier/metrics.N.csv``
+    (`read_curve` reads them too); a stage that starts afresh drops every earlier log."""
+    if not is_main():
+        return
+    folder, earlier = cfg.run_dir / "logs" / name, _earlier_folder(cfg, name)
     current = folder / "metrics.csv"
-    if is_main() and current.is_file():
-        current.rename(folder / f"metrics.{len(_earlier_logs(folder))}.csv")
+    if resuming and current.is_file():
+        earlier.mkdir(parents=True, exist_ok=True)
+        current.rename(earlier / f"metrics.{len(_earlier_logs(earlier))}.csv")
+    elif not resuming:
+        shutil.rmtree(earlier, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def ignore_resume_warnings() -> None:
+    """Inside ``warnings.catch_warnings()``, around ``trainer.fit(ckpt_path=last)``: two warnings
+    Lightning gives every resumed stage, about states this package means. The checkpoint folder
+    holds the checkpoint being resumed from (and the best one so far), and a stage resumes at the
+    checkpoint's optimizer step with the epoch's batches drawn afresh from the start of the
+    seeded order, as Lightning's plain DataLoader resumes."""
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty\.")
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended "
+                                              r"and your dataloader is not resumable\.")
 
 
 def read_curve(cfg, name: str) -> list[dict]:
@@ -75,7 +101,7 @@ def read_curve(cfg, name: str) -> list[dict]:
     [{step, val/loss, val/exact_match, ...}], a step validated again keeping its last values."""
     folder = cfg.run_dir / "logs" / name
     rows = []
-    for path in _earlier_logs(folder) + [p for p in (folder / "metrics.csv",) if p.is_file()]:
+    for path in _earlier_logs(_earlier_folder(cfg, name)) + [p for p in (folder / "metrics.csv",) if p.is_file()]:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 vals = {k: float(v) for k, v in r.items() if k.startswith("val/") and v not in ("", None)}

@@ -216,6 +216,24 @@ def example_html(tiny_lm, tmp_path):
     return results, html_path
 
 
+def test_the_example_leaves_nothing_behind_and_judges_every_answer(tiny_lm, tmp_path, monkeypatch, capsys):
+    """Run as a user runs it (no path given): its snapshot goes into a temporary folder that is
+    removed, no selection view is written, and each answer is printed as right or wrong."""
+    import tempfile
+
+    example = _load_example()
+    monkeypatch.setattr(example, "load_lm", lambda: tiny_lm)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.chdir(tmp_path)
+    assert example.main([]) == 0
+    assert list(scratch.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+    printed = capsys.readouterr().out
+    for question in example.EXPECTED:
+        assert re.search(rf"{re.escape(question)} -> .* \((right|wrong, the notes say .+)\)", printed), printed
+
+
 def test_example_runs_on_the_tiny_model(example_html):
     results, html_path = example_html
     assert html_path.is_file() and results["html"] == str(html_path)

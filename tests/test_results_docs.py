@@ -1,0 +1,83 @@
+"""docs/results and the README's results blocks are generated from the JSON files: nothing drifts."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ilcp import results_docs
+from ilcp.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_generated_file_is_what_the_report_command_writes():
+    stale = [p.relative_to(ROOT).as_posix() for p in results_docs.stale(ROOT)]
+    assert stale == [], f"out of date (run `python -m ilcp report`): {stale}"
+
+
+def test_every_figure_of_the_results_at_a_glance_is_read_from_a_results_json():
+    rows = results_docs.glance_rows(ROOT / results_docs.RESULTS_DIR)
+    assert len(rows) == len(results_docs.GLANCE)  # no row quietly left out
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- results:begin -->")[1].split("<!-- results:end -->")[0]
+    assert block.strip() == results_docs.glance_table(ROOT / results_docs.RESULTS_DIR, "docs/results/").strip()
+
+
+def test_every_results_folder_says_how_it_was_made():
+    for folder in results_docs.experiment_folders(ROOT / results_docs.RESULTS_DIR):
+        text = (folder / "README.md").read_text()
+        assert "## How it was made" in text, folder.name
+        assert "```bash" in text, f"{folder.name}: no command recorded"
+
+
+def _eval_result(tasks: dict) -> dict:
+    methods = {name: {"n": 10, "exact_match": em, "exact_match_ci": [max(0.0, em - 0.1), min(1.0, em + 0.1)],
+                      "contains": em, "contains_ci": None, "f1": em, "wire_bytes": b, "tensor_bytes": 0,
+                      "prefill_positions": 40.0, "latency": {"n": 0}}
+               for name, (em, b) in tasks.items()}
+    return {"run": {"path": "checkpoints/x", "lm_spec": "tiny-qwen3", "fingerprint": "f", "train_task": "babi:1"},
+            "settings": {"limit": 10, "latency_n": 0, "batch_size": 8, "max_new_tokens": 8},
+            "tasks": {"babilong:1:0": {"seen_in_training": False, "source": "s", "n": 10, "available": 10,
+                                       "limit": 10, "methods": methods},
+                      "babilong:1:1k": {"seen_in_training": False, "source": "s", "n": 10, "available": 10,
+                                        "limit": 10, "methods": methods}},
+            "seconds": 1.0, "provenance": {"command": ["python eval.py --ckpt checkpoints/x"], "date": "2027-01-01"}}
+
+
+def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_path):
+    shutil.copytree(ROOT / "docs" / "results" / "main-float32", tmp_path / "docs" / "results" / "main-float32")
+    shutil.copytree(ROOT / "docs" / "results" / "default-rclc", tmp_path / "docs" / "results" / "default-rclc")
+    (tmp_path / "README.md").write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n"
+                                        "<!-- babilong:begin -->\n<!-- babilong:end -->\n")
+    new = tmp_path / "docs" / "results" / "babilong-4k"
+    new.mkdir()
+    (new / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.3, 163), "prompt_tuned": (0.2, 0)})))
+    (new / "notes.md").write_text("# The default run at 4k\n\nWhat this shows: a hand-written line.\n")
+    other = tmp_path / "docs" / "results" / "new-benchmark"
+    other.mkdir()
+    (other / "report.json").write_text(json.dumps({"threads": 2, "rows": [{"batch": 1, "tok_s": 313.5}],
+                                                   "machine": {"cpu": "x"}}))
+
+    assert main(["report", "--root", str(tmp_path)]) == 0
+    readme = (new / "README.md").read_text()
+    assert readme.startswith("# The default run at 4k\n")
+    assert "What this shows: a hand-written line." in readme
+    assert "python eval.py --ckpt checkpoints/x" in readme and "2027-01-01" in readme
+    assert "not recorded" in readme  # commit, versions and machine were not in its results.json
+    generic = (other / "README.md").read_text()
+    assert "| batch | tok_s |" in generic and "| 1 | 313.5 |" in generic and "Command: not recorded." in generic
+    top = (tmp_path / "README.md").read_text()
+    assert "[babilong-4k](docs/results/babilong-4k/README.md)" in top and "| babilong:1:1k (n=10) |" in top
+    assert "`ilcp`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
+    assert (tmp_path / "docs" / "results" / "at_a_glance.png").is_file()
+    assert main(["report", "--root", str(tmp_path), "--check"]) == 0
+
+    (new / "notes.md").write_text("# The default run at 4k\n\nWhat this shows: changed.\n")
+    assert main(["report", "--root", str(tmp_path), "--check"]) == 1  # a changed source makes the docs stale
+
+
+def test_a_readme_without_the_markers_is_refused():
+    with pytest.raises(ValueError, match="results:begin"):
+        results_docs.replace_block("no markers here", "results", "x")
