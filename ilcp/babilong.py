@@ -362,6 +362,44 @@ def story_sentences(context: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", context.strip()) if s]
 
 
+def story_spans(context: str, story: Sequence[str]) -> list[tuple[int, int]]:
+    """Character spans ``(start, end)`` of the story's sentences in a context `babilong_context`
+    built from them, in order (the sentences are inserted verbatim, whitespace normalised).
+
+    Raises:
+        ValueError: a sentence is not in the context after the previous one.
+    """
+    spans, at = [], 0
+    for sentence in story:
+        sentence = " ".join(str(sentence).split())
+        start = context.find(sentence, at)
+        if start < 0:
+            raise ValueError(f"story sentence {sentence!r} is not in the context after character {at}")
+        spans.append((start, start + len(sentence)))
+        at = start + len(sentence)
+    return spans
+
+
+def story_token_mask(context: str, story: Sequence[str], tokenizer) -> list[bool]:
+    """For each token of ``context`` (``add_special_tokens=False``, as the sender reads it),
+    whether its characters overlap one of the story's sentences (`story_spans`; a word's token
+    often starts at the space before it).
+
+    Raises:
+        ValueError: a slow tokenizer (no character offsets), or a sentence not in the context.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("story token masks need a fast tokenizer (character offsets)")
+    spans = story_spans(context, story)
+    offsets = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    mask, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        mask.append(k < len(spans) and start < spans[k][1] and end > spans[k][0])  # overlaps the sentence
+    return mask
+
+
 def _assemble(story: Sequence[str], background: Sequence[str], draws: Sequence[float]) -> str:
     """The story's sentences placed among the background sentences: sentence k of the story at
     boundary floor(draws[k] * (len(background) + 1)); draws sorted, so the order is kept."""

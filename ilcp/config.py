@@ -109,6 +109,11 @@ class CompressorConfig:
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
     answer_head_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
                                   "[z ; question]: answers shape the latent without the LM (0 = the spec)")
+    story_attention_weight: float = _f(0.0, "BABILong training only: stage 1 adds this weight x the cross-entropy of each "
+                                       "attention query against the uniform distribution over the story's tokens "
+                                       "(known from the construction), teaching the pooler to find the story in the "
+                                       "prose; the sender is never told where it is (0 = off)")
+    pooler_lr: float = _f(0.0, "stage-1 learning rate of the attention pooler (0 = compressor.lr)")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
@@ -127,6 +132,11 @@ class CompressorConfig:
             raise ValueError("compressor.pooling=concat needs compressor.chunk_tokens >= 1 (it reads chunks)")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
             raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
+        if self.story_attention_weight < 0 or self.pooler_lr < 0:
+            raise ValueError("compressor.story_attention_weight and compressor.pooler_lr must be >= 0")
+        if self.story_attention_weight > 0 and (self.pooling != "attention" or self.chunk_tokens > 0):
+            raise ValueError("compressor.story_attention_weight > 0 teaches an attention pooler over the whole "
+                             "context: it needs compressor.pooling=attention and compressor.chunk_tokens=0")
 
 
 @dataclass
@@ -348,6 +358,10 @@ class TrainConfig:
             raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true, "
                              "compressor.answer_head_weight > 0 or reconstruct.steps > 0 (nothing else teaches the "
                              "pooler's queries)")
+        if c.story_attention_weight > 0 and not self.data.task.startswith("babilong"):
+            raise ValueError(f"compressor.story_attention_weight > 0 needs a BABILong task (data.task "
+                             f"'babilong:N:LENGTH'), where the story's place in the context is known; got "
+                             f"{self.data.task!r}")
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (

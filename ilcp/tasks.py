@@ -772,6 +772,20 @@ def load_babilong(name: str, split: str, *, tokenizer=None, variant: str = "en",
     return _to_dataset(rows)
 
 
+def babilong_stories(name: str, split: str, *, variant: str = "en",
+                     data_dir: str | os.PathLike | None = None, limit: int | None = None,
+                     validation_fraction: float = 0.1, seed: int = 0, **_ignored) -> list[list[str]]:
+    """The bAbI story (its sentences, in order) behind each row `load_babilong` gives for the same
+    arguments, row for row; other keyword arguments of `load_babilong` are accepted and ignored.
+    With `ilcp.babilong.story_token_mask` it says which context tokens are the story's: a
+    training signal only (the sender is never told)."""
+    task = parse_babilong_name(name)
+    _babi(task, name, split, variant, data_dir)
+    rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
+                     validation_fraction=validation_fraction, seed=seed)
+    return [story_sentences(context) for context in rows["context"]]
+
+
 def babilong_config_key(name: str, split: str, *, tokenizer=None, variant: str = "en",
                         data_dir: str | os.PathLike | None = None, limit: int | None = None,
                         validation_fraction: float = 0.1, seed: int = 0,

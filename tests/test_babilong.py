@@ -329,3 +329,84 @@ def test_a_run_trains_and_evaluates_on_a_babilong_task(tmp_path, tiny_lm):
     assert list(results["tasks"]) == ["babilong:1:0.5k", "babilong:1:0"]
     assert results["tasks"]["babilong:1:0.5k"]["seen_in_training"]
     assert not results["tasks"]["babilong:1:0"]["seen_in_training"]
+
+
+# ------------------------------------------------------------------------- story attention (training)
+
+def test_story_token_mask_marks_exactly_the_story(tokenizer):
+    from ilcp.babilong import story_spans, story_token_mask
+    from ilcp.tasks import babilong_stories
+
+    rows = load_task("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=3).to_list()
+    stories = babilong_stories("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=3)
+    assert len(stories) == 3
+    for row, story in zip(rows, stories):
+        spans = story_spans(row["context"], story)
+        assert [row["context"][a:b] for a, b in spans] == story
+        mask = story_token_mask(row["context"], story, tokenizer)
+        ids = tokenizer(row["context"], add_special_tokens=False)["input_ids"]
+        assert len(mask) == len(ids) and 0 < sum(mask) < len(mask)
+        # the marked tokens decode to the story's words, the others to none of them
+        story_text = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        assert " ".join(story_text.split()) == " ".join(" ".join(story).split())
+        prose = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+        assert not any(name in prose for name in BABI_NAMES)
+    with pytest.raises(ValueError, match="not in the context"):
+        story_spans(rows[0]["context"], ["Mary flew to the moon."])
+
+
+def test_story_attention_loss_prefers_spread_over_the_story():
+    import torch
+
+    from ilcp.pooling import AttentionPooler
+    from ilcp.training.compressor_stage import story_attention_loss
+
+    torch.manual_seed(0)
+    pooler = AttentionPooler(8, num_queries=2)
+    tokens, mask = torch.randn(2, 6, 8), torch.ones(2, 6, dtype=torch.long)
+    story = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    ce, mass = story_attention_loss(pooler, tokens, mask, story)  # an untrained pooler: uniform
+    assert mass.item() == pytest.approx(2 / 6) and ce.item() == pytest.approx(float(torch.tensor(6.0).log()))
+    opt = torch.optim.Adam(pooler.parameters(), lr=0.1)
+    for _ in range(100):
+        opt.zero_grad()
+        story_attention_loss(pooler, tokens, mask, story)[0].backward()
+        opt.step()
+    ce, mass = story_attention_loss(pooler, tokens, mask, story)
+    w = pooler.weights(tokens[:1], mask[:1])[0]
+    assert mass.item() > 0.9 and abs(w[1] - w[2]).max().item() < 0.2  # on the story, spread over it
+    none = story_attention_loss(pooler, tokens[1:], mask[1:], story[1:])
+    assert none[0].item() == 0.0 and none[0].requires_grad
+
+
+def test_story_attention_needs_a_babilong_task_and_attention_pooling():
+    from ilcp.config import load_config
+
+    with pytest.raises(ValueError, match="needs a BABILong task"):
+        load_config(None, ["compressor.story_attention_weight=1"])
+    with pytest.raises(ValueError, match="pooling=attention"):
+        load_config(None, ["data.task=babilong:1:1k", "compressor.story_attention_weight=1", "compressor.pooling=mean"])
+    with pytest.raises(ValueError, match=">= 0"):
+        load_config(None, ["compressor.pooler_lr=-1"])
+
+
+def test_a_run_learns_where_the_story_is(tmp_path, tiny_lm):
+    from ilcp.config import load_config
+    from ilcp.training import train
+
+    tiny = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
+                             "data.task=babilong:1:0.5k", "data.babi_variant=en", "handoff.variants=[ilcp]",
+                             "handoff.max_steps=1", "handoff.val_every_steps=1", "compressor.epochs=40",
+                             "compressor.story_attention_weight=1", "compressor.pooler_lr=0.05"])
+    result = train(cfg, lm=tiny_lm)
+    mass = result.metrics["compressor"]["val/story_mass"]
+    # an untrained pooler reads every token alike: its mass on the story is the story's share
+    from ilcp.babilong import story_token_mask
+    from ilcp.tasks import babilong_stories
+
+    rows = load_task("babilong:1:0.5k", "validation", tokenizer=tiny_lm.tokenizer, variant="en", limit=8)
+    stories = babilong_stories("babilong:1:0.5k", "validation", variant="en", limit=8)
+    masks = [story_token_mask(r["context"], s, tiny_lm.tokenizer) for r, s in zip(rows, stories)]
+    share = sum(sum(m) / len(m) for m in masks) / len(masks)
+    assert mass > 4 * share, (share, mass)

@@ -5,7 +5,11 @@ KL weight ramping up from 0). An untrained attention pooler returns copies of th
 without the answer head stage 1 sees what the specification's mean pool gives. With
 ``compressor.answer_head_weight > 0`` a small answer head reads [mu ; question features] and its
 cross-entropy over the training answers joins the loss, so the latent (and the attention
-pooler) learn what the answers need without an LM forward; the head is dropped afterwards.
+pooler) learn what the answers need without an LM forward; the head is dropped afterwards. On a
+BABILong task, ``compressor.story_attention_weight > 0`` adds `story_attention_loss`: the
+queries are taught to spread over the story's tokens (known from the haystack's construction,
+never told to the sender), which the answer head alone does not find among a thousand tokens of
+prose within stage 1's steps.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class CompressorModule(L.LightningModule):
         if cfg.answer_head_weight > 0:
             self.head = nn.Sequential(nn.Linear(encoder.latent_dim + question_dim, cfg.hidden_dim), nn.SiLU(),
                                       nn.Linear(cfg.hidden_dim, num_answers))
-        elif encoder.pooler is not None:
+        elif encoder.pooler is not None and cfg.story_attention_weight == 0:
             encoder.pooler.requires_grad_(False)  # nothing would teach it: it stays the mean
         self._val_mu: list[Tensor] = []
 
@@ -107,6 +111,9 @@ class CompressorModule(L.LightningModule):
         out = self.encoder.vae(pooled.detach() if self.head is None else pooled)
         recon = torch.mean((out.reconstruction - out.target.detach()) ** 2)
         losses = {"recon": recon, "kl": out.kl, "mu": out.mu}
+        if self.cfg.story_attention_weight > 0 and "story_mask" in batch:
+            losses["story_ce"], losses["story_mass"] = story_attention_loss(
+                self.encoder.pooler, batch["tokens"], batch["token_mask"], batch["story_mask"])
         if self.head is not None:
             logits = self.head(torch.cat([out.mu, batch["features"]], dim=-1))
             labels = batch["label"]
@@ -125,6 +132,9 @@ class CompressorModule(L.LightningModule):
         if self.head is not None:
             loss = loss + self.cfg.answer_head_weight * out["answer_ce"]
             logged.update({"train/answer_ce": out["answer_ce"], "train/answer_accuracy": out["answer_accuracy"]})
+        if "story_ce" in out:
+            loss = loss + self.cfg.story_attention_weight * out["story_ce"]
+            logged.update({"train/story_ce": out["story_ce"], "train/story_mass": out["story_mass"]})
         self.log_dict(logged, prog_bar=True, batch_size=len(batch["answer"]))
         return loss
 
@@ -135,6 +145,8 @@ class CompressorModule(L.LightningModule):
                   "val/loss": out["recon"] + self.encoder.vae.beta * out["kl"]}
         if self.head is not None:
             logged.update({"val/answer_ce": out["answer_ce"], "val/answer_accuracy": out["answer_accuracy"]})
+        if "story_ce" in out:
+            logged.update({"val/story_ce": out["story_ce"], "val/story_mass": out["story_mass"]})
         self.log_dict(logged, batch_size=len(batch["answer"]), sync_dist=True)
 
     def on_validation_epoch_end(self):
@@ -143,7 +155,33 @@ class CompressorModule(L.LightningModule):
         self._val_mu.clear()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr)
+        pooler = self.encoder.pooler
+        pooler_params = {id(p) for p in pooler.parameters()} if pooler is not None else set()
+        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in pooler_params]
+        groups = [{"params": rest, "lr": self.cfg.lr}]
+        if pooler is not None and any(p.requires_grad for p in pooler.parameters()):
+            groups.append({"params": [p for p in pooler.parameters() if p.requires_grad],
+                           "lr": self.cfg.pooler_lr or self.cfg.lr})
+        return torch.optim.AdamW(groups, lr=self.cfg.lr)
+
+
+def story_attention_loss(pooler: AttentionPooler, tokens: Tensor, token_mask: Tensor,
+                         story_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """How far the pooler's queries are from reading the story: the cross-entropy of each query's
+    attention against the uniform distribution over the row's story tokens (mean over queries
+    and rows that hold story tokens), and the attention mass on the story (the same mean).
+
+    The target is uniform, not "any story token": a query pulled only towards story mass settles
+    on a few tokens of every fact (its full stops, say) that carry no answer."""
+    weights = pooler.weights(tokens, token_mask)                    # (B, S, Q)
+    story = (story_mask.bool() & token_mask.bool()).unsqueeze(-1).float()
+    rows = story.sum(dim=(1, 2)) > 0
+    if not rows.any():
+        zero = weights.sum() * 0.0
+        return zero, zero
+    ce = -(weights.clamp_min(1e-12).log() * story).sum(1) / story.sum(1).clamp_min(1.0)   # (B, Q)
+    mass = (weights * story).sum(1)                                  # (B, Q)
+    return ce[rows].mean(), mass[rows].mean()
 
 
 def memory_kind(cfg: TrainConfig) -> MemoryKind:

@@ -22,8 +22,8 @@ from ..encoder import pool_states, pool_units
 from ..lm import LM
 from ..pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, context_lengths,
                        pad_token_states)
-from ..babilong import is_babilong_name
-from ..tasks import FACT_VOCABULARIES, fact_values, load_task, task_config_key
+from ..babilong import is_babilong_name, story_token_mask
+from ..tasks import FACT_VOCABULARIES, babilong_stories, fact_values, load_task, task_config_key
 from .distributed import rank, world_size
 from .log import run_precision, say
 
@@ -55,10 +55,13 @@ class HandoffRows(Dataset):
     """Rows {context, question, answer} with their sender states: pooled (N, D), or the token
     states of each context (`TokenStates`) for an attention pooler."""
 
-    def __init__(self, rows: list[dict], states: Tensor | TokenStates):
+    def __init__(self, rows: list[dict], states: Tensor | TokenStates, story_masks: list[Tensor] | None = None):
         if len(rows) != len(states):
             raise ValueError(f"{len(rows)} rows but {len(states)} sender states")
+        if story_masks is not None and len(story_masks) != len(rows):
+            raise ValueError(f"{len(rows)} rows but {len(story_masks)} story masks")
         self.rows, self.states = rows, states
+        self.story_masks = story_masks  # (S_i,) bool per row: which token states are the story's
 
     @property
     def has_token_states(self) -> bool:
@@ -73,7 +76,11 @@ class HandoffRows(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         r = self.rows[i]
-        return {"index": i, "states": self.states[i], "context": r["context"], "question": r["question"], "answer": r["answer"]}
+        item = {"index": i, "states": self.states[i], "context": r["context"], "question": r["question"],
+                "answer": r["answer"]}
+        if self.story_masks is not None:
+            item["story_mask"] = self.story_masks[i]
+        return item
 
 
 def collate_rows(items: list[dict]) -> dict:
@@ -86,6 +93,11 @@ def collate_rows(items: list[dict]) -> dict:
     }
     if items[0]["states"].dim() == 2:
         batch["tokens"], batch["token_mask"] = pad_token_states([it["states"] for it in items])
+        if "story_mask" in items[0]:
+            story = torch.zeros(batch["token_mask"].shape, dtype=torch.bool)
+            for i, it in enumerate(items):
+                story[i, : len(it["story_mask"])] = it["story_mask"]
+            batch["story_mask"] = story
     else:
         batch["pooled"] = torch.stack([it["states"] for it in items])
     return batch
@@ -214,5 +226,26 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
         say(f"{split}: {len(rows)} rows; {what} "
             f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
-        out[split] = HandoffRows(rows, states)
+        masks = None
+        if c.story_attention_weight > 0 and "ilcp" in cfg.handoff.variants:
+            masks = story_masks(cfg, split, size, lm.tokenizer, rows, states)
+        out[split] = HandoffRows(rows, states, masks)
     return out["train"], out["validation"]
+
+
+def story_masks(cfg: TrainConfig, split: str, size: int, tokenizer, rows: list[dict],
+                states: TokenStates) -> list[Tensor]:
+    """Which token states of each BABILong row are its story's (for
+    ``compressor.story_attention_weight``), aligned with the states the sender kept (its last
+    tokens where a context was cut)."""
+    stories = babilong_stories(cfg.data.task, split, **task_kwargs(cfg, split, size, tokenizer))
+    if len(stories) != len(rows):
+        raise ValueError(f"{len(rows)} {split} rows but {len(stories)} bAbI stories behind them")
+    masks = []
+    for i, (row, story) in enumerate(zip(rows, stories)):
+        mask = torch.tensor(story_token_mask(row["context"], story, tokenizer), dtype=torch.bool)
+        masks.append(mask[len(mask) - len(states[i]):])
+    found = sum(int(m.any()) for m in masks)
+    say(f"{split}: story tokens are {float(torch.cat(masks).float().mean()):.1%} of the sender's tokens "
+        f"({found} of {len(masks)} contexts hold story tokens)")
+    return masks
