@@ -268,3 +268,21 @@ def test_the_accuracy_path_builds_each_sender_state_once_for_every_rclc_row(run_
             sent = m.send(r)
             assert sent.wire_bytes == nbytes
             torch.testing.assert_close(m.receive(sent, r), prefix, rtol=0, atol=0)
+
+
+def test_sender_states_stay_within_their_position_bound(tiny_lm):
+    from ilcp.evaluation.rclc_methods import SenderStates
+
+    texts = ["Mary went to the kitchen.", "John moved to the garden. Sandra went back to the office.",
+             "Daniel journeyed to the hallway."]
+    sizes = [len(tiny_lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    states = SenderStates(tiny_lm, max_positions=sizes[1] + sizes[2])
+    for t in texts:
+        states.get(t)
+    assert states.built == 3 and states._positions <= sizes[1] + sizes[2]
+    states.get(texts[2])  # still held
+    assert states.built == 3
+    states.get(texts[0])  # dropped for the bound: built again
+    assert states.built == 4 and states._positions <= states.max_positions
+    one = SenderStates(tiny_lm, max_positions=1)  # a state over the bound is still kept until the next
+    assert one.get(texts[1]) is one.get(texts[1]) and one.built == 1

@@ -184,15 +184,19 @@ SENDER_STATES = "rclc_sender_states"
 
 class SenderStates:
     """Sender states by sender text, built on first use with `ilcp.rclc.sender_from_hf`; the
-    oldest are dropped beyond `capacity` (a state holds its context's KV cache).
+    oldest are dropped beyond `capacity` states or `max_positions` cached positions in all (a
+    state holds its context's KV cache: about 46 kB a position for SmolLM2 in float32, so the
+    default bound is about 3 GB; 200 contexts of 2k tokens would hold 19 GB). A dropped state is
+    built again when asked for.
 
     Attributes:
         built: how many states were built (a test reads it).
     """
 
-    def __init__(self, lm, capacity: int = 512):
-        self.lm, self.capacity, self.built = lm, capacity, 0
+    def __init__(self, lm, capacity: int = 512, max_positions: int = 65536):
+        self.lm, self.capacity, self.max_positions, self.built = lm, capacity, max_positions, 0
         self._states: OrderedDict[str, rclc.SenderState] = OrderedDict()
+        self._positions = 0
 
     def get(self, text: str) -> rclc.SenderState:
         state = self._states.get(text)
@@ -200,8 +204,10 @@ class SenderStates:
             state = rclc.sender_from_hf(self.lm.model, self.lm.tokenizer, text)
             self.built += 1
             self._states[text] = state
-            while len(self._states) > self.capacity:
-                self._states.popitem(last=False)
+            self._positions += state.positions
+            while len(self._states) > 1 and (len(self._states) > self.capacity
+                                             or self._positions > self.max_positions):
+                self._positions -= self._states.popitem(last=False)[1].positions
         else:
             self._states.move_to_end(text)
         return state
