@@ -48,7 +48,6 @@ import http.client
 import io
 import json
 import os
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -258,10 +257,10 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
         except (ValueError, AttributeError):
             pass
         raise ServerError(f"the server at {url} refused the request (HTTP {e.code}): {detail}") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise ServerError(f"no answer from {url} within {timeout:g} s") from None
     except urllib.error.URLError as e:
-        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+        if isinstance(e.reason, TimeoutError):
             raise ServerError(f"no answer from {url} within {timeout:g} s") from None
         raise ServerError(f"no answer from {url} ({e.reason}): is the server running? "
                           "(python -m ilcp serve RUN starts one)") from None

@@ -14,16 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_parity import CONTEXTS, QUESTIONS, _random_prefixes
 
 from ilcp import rclc
 from ilcp.engines import served as served_module
-from ilcp.engines.served import (EmbeddingTable, ModelMismatchError, ServedDecoder, ServedReceiver, ServerError,
-                                 load_embedding_lm)
+from ilcp.engines.served import (
+    EmbeddingTable,
+    ModelMismatchError,
+    ServedDecoder,
+    ServedReceiver,
+    ServerError,
+    load_embedding_lm,
+)
 from ilcp.engines.vllm import VLLMDecoder, VLLMReceiver
 from ilcp.handoff import ILCPHandoff
 from ilcp.transport import PayloadError
-
-from test_parity import CONTEXTS, QUESTIONS, _random_prefixes
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300
