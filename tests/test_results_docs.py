@@ -51,7 +51,7 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
     shutil.copytree(ROOT / "docs" / "results" / "default-rclc", tmp_path / "docs" / "results" / "default-rclc")
     (tmp_path / "README.md").write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n"
                                         "<!-- babilong:begin -->\n<!-- babilong:end -->\n")
-    new = tmp_path / "docs" / "results" / "babilong-4k"
+    new = tmp_path / "docs" / "results" / "babilong-story-4k"
     new.mkdir()
     (new / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.3, 163), "prompt_tuned": (0.2, 0)})))
     (new / "notes.md").write_text("# The default run at 4k\n\nWhat this shows: a hand-written line.\n")
@@ -69,7 +69,9 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
     generic = (other / "README.md").read_text()
     assert "| batch | tok_s |" in generic and "| 1 | 313.5 |" in generic and "Command: not recorded." in generic
     top = (tmp_path / "README.md").read_text()
-    assert "[babilong-4k](docs/results/babilong-4k/README.md)" in top and "| babilong:1:1k (n=10) |" in top
+    assert "[babilong-story-4k](docs/results/babilong-story-4k/README.md)" in top
+    assert "| babilong:1:1k (n=10) | 30.0 [20.0, 40.0] |" in top  # exact match with its interval
+    assert "At babilong:1:1k" in top and "| `ilcp` | 163 | 40 | - / - | - | - |" in top  # the receiver's cost
     assert "`ilcp`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
     assert (tmp_path / "docs" / "results" / "at_a_glance.png").is_file()
     assert main(["report", "--root", str(tmp_path), "--check"]) == 0
