@@ -313,20 +313,28 @@ def _ms(latency: dict | None, key: str, stat: str) -> str:
     return "-" if value is None else f"{1000 * value:,.0f}"
 
 
-def _babilong_tables(data: dict) -> list[str]:
-    """Exact match [95% CI] per task and method, then what each method cost at the longest task."""
-    tasks = data["tasks"]
-    methods = list(dict.fromkeys(m for t in tasks.values() for m in t["methods"]))
-    out = ["| task | " + " | ".join(f"`{m}`" for m in methods) + " |", "|---|" + "---|" * len(methods)]
-    for task, t in tasks.items():
-        cells = [_pct(t["methods"][m]["exact_match"], t["methods"][m].get("exact_match_ci"))
-                 if m in t["methods"] else "-" for m in methods]
-        out.append(f"| {task} (n={t['n']}) | " + " | ".join(cells) + " |")
-    order = list(tasks)  # equal or unrecorded lengths: the last task listed
-    longest, t = max(tasks.items(), key=lambda kv: ((kv[1].get("context_tokens") or {}).get("mean", 0),
-                                                    order.index(kv[0])))
-    tokens = (t.get("context_tokens") or {}).get("mean")
-    out += ["", f"At {longest}" + (f" ({tokens:,.0f} context tokens on average)" if tokens else "") + ":", "",
+def _babilong_tables(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
+    """One table of exact match [95% CI] per task and method over the given eval results (a task
+    already listed from an earlier folder is not repeated), then what each method cost the
+    receiver at the longest context among them."""
+    methods = list(dict.fromkeys(m for _, d in evals for t in d["tasks"].values() for m in t["methods"]))
+    out = ["| task | " + " | ".join(f"`{m}`" for m in methods) + " | data |", "|---|" + "---|" * (len(methods) + 1)]
+    seen, longest = set(), None
+    for folder, data in evals:
+        for task, t in data["tasks"].items():
+            tokens = (t.get("context_tokens") or {}).get("mean", 0)
+            if longest is None or tokens >= longest[0]:
+                longest = (tokens, task, t)
+            if task in seen:
+                continue
+            seen.add(task)
+            cells = [_pct(t["methods"][m]["exact_match"], t["methods"][m].get("exact_match_ci"))
+                     if m in t["methods"] else "-" for m in methods]
+            out.append(f"| {task} (n={t['n']}) | " + " | ".join(cells)
+                       + f" | [{folder.name}]({link_prefix}{folder.name}/README.md) |")
+    tokens, task, t = longest
+    out += ["", f"What each cost the receiver at {task}" + (f" ({tokens:,.0f} context tokens on average)" if tokens else "")
+            + ":", "",
             "| method | wire bytes | receiver prefill positions | receiver TTFT ms p50 / p99 | sender ms p50 "
             "| sender reusing its forward ms p50 |", "|---|---|---|---|---|---|"]
     for m, metrics in t["methods"].items():
@@ -339,22 +347,18 @@ def _babilong_tables(data: dict) -> list[str]:
 
 def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
     """Every folder whose name starts with ``babilong``: those of the current recipe
-    (`BABILONG_CURRENT`) with exact match per task and method and the receiver's cost at the longest
-    length, the others one line each."""
+    (`BABILONG_CURRENT`) as one table of exact match per task and method and the receiver's cost at
+    the longest length, the others one line each."""
     folders = [f for f in experiment_folders(results_dir) if f.name.startswith(BABILONG_PREFIX)]
     if not folders:
         return "No BABILong measurements yet."
-    out, earlier = [], []
+    current, earlier = [], []
     for folder in folders:
-        link = f"[{folder.name}]({link_prefix}{folder.name}/README.md)"
-        if not folder.name.startswith(BABILONG_CURRENT):
-            earlier.append(f"{link} ({title(folder)})")
-            continue
-        out += [f"{link}: {title(folder)}", ""]
-        for path in _json_files(folder):
-            data = _load(path)
-            if data is not None and _is_eval(data):
-                out += _babilong_tables(data) + [""]
+        if folder.name.startswith(BABILONG_CURRENT):
+            current += [(folder, d) for d in map(_load, _json_files(folder)) if d is not None and _is_eval(d)]
+        else:
+            earlier.append(f"[{folder.name}]({link_prefix}{folder.name}/README.md) ({title(folder)})")
+    out = _babilong_tables(current, link_prefix) + [""] if current else []
     if earlier:
         out.append("Earlier recipes: " + "; ".join(earlier) + ".")
     return "\n".join(out).rstrip("\n")

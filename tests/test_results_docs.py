@@ -71,7 +71,7 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
     top = (tmp_path / "README.md").read_text()
     assert "[babilong-story-4k](docs/results/babilong-story-4k/README.md)" in top
     assert "| babilong:1:1k (n=10) | 30.0 [20.0, 40.0] |" in top  # exact match with its interval
-    assert "At babilong:1:1k" in top and "| `ilcp` | 163 | 40 | - / - | - | - |" in top  # the receiver's cost
+    assert "at babilong:1:1k" in top and "| `ilcp` | 163 | 40 | - / - | - | - |" in top  # the receiver's cost
     assert "`ilcp`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
     assert (tmp_path / "docs" / "results" / "at_a_glance.png").is_file()
     assert main(["report", "--root", str(tmp_path), "--check"]) == 0
