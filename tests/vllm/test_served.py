@@ -89,6 +89,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
+def local_engine(vllm_folder, tiny_lm_dir, tiny_vllm_lm):
+    """This module's own in-process engine (the reference answers): an engine the session's other
+    modules created may have seen vLLM's process-wide parallel state torn down by then."""
+    from ilcp.engines.vllm import create_engine
+
+    return create_engine(tiny_lm_dir, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
 def server(tiny_vllm_run, vllm_folder):
     srv = Server(Path(tiny_vllm_run), vllm_folder)
     try:
@@ -120,8 +129,8 @@ def test_the_receivers_process_holds_only_the_embedding_table(served_receiver, t
     assert lm.fingerprint == tiny_vllm_lm.fingerprint
 
 
-def test_ilcp_answers_equal_the_in_process_receivers(served_receiver, tiny_handoff, tiny_engine):
-    local = VLLMReceiver(tiny_handoff, tiny_engine)
+def test_ilcp_answers_equal_the_in_process_receivers(served_receiver, tiny_handoff, local_engine):
+    local = VLLMReceiver(tiny_handoff, local_engine)
     assert served_receiver.decoder.stops == local.stops
     payload = tiny_handoff.send(CONTEXTS)
     for stop_at_newline in (False, True):
@@ -156,12 +165,12 @@ def test_rclc_rows_answer_as_in_process(server, tiny_engine, tiny_vllm_lm, tiny_
 
 
 def test_sealed_payloads_are_opened_by_the_receiver_only(server, tiny_vllm_run, tiny_vllm_lm, tiny_handoff,
-                                                         tiny_engine, monkeypatch):
+                                                         local_engine, monkeypatch):
     sender = ILCPHandoff.from_pretrained(tiny_vllm_run, lm=tiny_vllm_lm, auth_key=KEY)
     receiver = ServedReceiver.from_pretrained(tiny_vllm_run, server.url, auth_key=KEY, timeout=60)
     payload = sender.send(CONTEXTS[1])
     wire = sender.to_wire(payload)
-    expected = VLLMReceiver(tiny_handoff, tiny_engine).receive(payload, QUESTIONS[1])
+    expected = VLLMReceiver(tiny_handoff, local_engine).receive(payload, QUESTIONS[1])
     assert receiver.receive(wire, QUESTIONS[1]) == expected
 
     def no_request(*args, **kwargs):
