@@ -47,9 +47,21 @@ from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
 from .transport import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, TransportPayload, check_key, pack, unpack
 
-__all__ = ["ILCPHandoff"]
+__all__ = ["ILCPHandoff", "answers_by_request"]
 
 MAX_BATCH_TOKENS = 16384  # padded positions per sender forward (`ILCPHandoff.latents`)
+
+
+def answers_by_request(answers: Sequence[str], shapes: Sequence[tuple[bool, int]]) -> list[str | list[str]]:
+    """Flat answers cut back into requests (`ILCPHandoff.request_prefixes`): a string for a
+    request of one question, else its list."""
+    out: list[str | list[str]] = []
+    start = 0
+    for single, n in shapes:
+        rows = list(answers[start:start + n])
+        out.append(rows[0] if single else rows)
+        start += n
+    return out
 
 
 class ILCPHandoff:
@@ -514,6 +526,28 @@ class ILCPHandoff:
         tok = self.lm.tokenizer
         return [receiver_prefix(tok, q, source=self.encoder, memory=memory[i]).embeds(self.lm.model)
                 for i, q in enumerate(questions)]
+
+    def request_prefixes(self, requests, questions_of) -> tuple[list[Tensor], list[tuple[bool, int]]]:
+        """Every prefix of many ``(payload, question or questions)`` requests, in order, and each
+        request's shape (one question, how many) for `answers_by_request`; ``questions_of(q)``
+        checks a request's question(s) and returns ``(single, questions)``. Every payload is
+        checked before any answer is decoded.
+
+        Raises:
+            ValueError: an empty list or a request that is not a pair (and what ``questions_of``
+                raises).
+        """
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or len(requests) == 0:
+            raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
+        prefixes: list[Tensor] = []
+        shapes: list[tuple[bool, int]] = []
+        for i, request in enumerate(requests):
+            if not isinstance(request, (tuple, list)) or len(request) != 2:
+                raise ValueError(f"request {i} must be a (payload, question or questions) pair")
+            single, questions = questions_of(request[1])
+            prefixes.extend(self.prefixes(request[0], questions))
+            shapes.append((single, len(questions)))
+        return prefixes, shapes
 
     def receive(
         self,

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from ..checks import positive_int, text_input
 from ..decoding import cut_answer, decoded_answer, stop_token_ids
 from ..export import read_export
-from ..handoff import ILCPHandoff
+from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM, tensor_bytes, vocab_hash
 from ..names import DEFAULT_LM
 from ..transport import TransportPayload
@@ -549,23 +549,9 @@ class ServedReceiver:
         """Many receivers at once: ``(payload, question or questions)`` pairs, every prefix in one
         request; each result is shaped as `receive` returns it. Every payload is checked before
         the request is sent."""
-        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or len(requests) == 0:
-            raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
-        prefixes: list[Tensor] = []
-        shapes: list[tuple[bool, int]] = []
-        for i, request in enumerate(requests):
-            if not isinstance(request, (tuple, list)) or len(request) != 2:
-                raise ValueError(f"request {i} must be a (payload, question or questions) pair")
-            single, questions = self._checked(request[1])
-            prefixes.extend(self.handoff.prefixes(request[0], questions))
-            shapes.append((single, len(questions)))
+        prefixes, shapes = self.handoff.request_prefixes(requests, self._checked)
         answers = self.decoder.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
-        out: list[str | list[str]] = []
-        start = 0
-        for single, n in shapes:
-            out.append(answers[start] if single else answers[start:start + n])
-            start += n
-        return out
+        return answers_by_request(answers, shapes)
 
     def __repr__(self) -> str:
         return f"ServedReceiver(handoff={self.handoff!r}, decoder={self.decoder!r})"

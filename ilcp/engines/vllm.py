@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..decoding import cut_answer, decoded_answer, stop_token_ids
-from ..handoff import ILCPHandoff
+from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM
 from ..transport import TransportPayload
 
@@ -467,24 +467,9 @@ class VLLMReceiver:
             ValueError: an empty list, a request that is not a pair, or questions that do not
                 match their payload.
         """
-        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or len(requests) == 0:
-            raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
-        prefixes: list[Tensor] = []
-        shapes: list[tuple[bool, int]] = []
-        for i, request in enumerate(requests):
-            if not isinstance(request, (tuple, list)) or len(request) != 2:
-                raise ValueError(f"request {i} must be a (payload, question or questions) pair")
-            single, questions = self._questions(request[1])
-            prefixes.extend(self.handoff.prefixes(request[0], questions))
-            shapes.append((single, len(questions)))
+        prefixes, shapes = self.handoff.request_prefixes(requests, self._questions)
         answers = self.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
-        out: list[str | list[str]] = []
-        start = 0
-        for single, n in shapes:
-            rows = answers[start:start + n]
-            out.append(rows[0] if single else rows)
-            start += n
-        return out
+        return answers_by_request(answers, shapes)
 
     def __repr__(self) -> str:
         return f"VLLMReceiver(handoff={self.handoff!r}, dtype={self.dtype}, max_model_len={self.max_model_len})"
