@@ -234,6 +234,8 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--payload-dtype", default="float32", choices=PAYLOAD_DTYPES,
                         help="dtype of the ilcp latent on the wire (default float32; int8: per-row absmax with a "
                              "float32 scale)")
+    parser.add_argument("--only-tasks", action="store_true",
+                        help="evaluate only the --tasks given, not the run's training task")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the (task, method) results an earlier evaluation with the same settings saved "
                              "under --out (parts/), computing only the missing ones: a long evaluation goes in pieces")
@@ -270,7 +272,7 @@ def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
         seed=args.seed, out=out, device=args.device, progress=not args.no_progress,
         payload_dtype=args.payload_dtype, engine=args.engine, throughput_batches=args.throughput_batches,
         throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20, precision=args.precision,
-        resume=args.resume,
+        resume=args.resume, only_tasks=args.only_tasks,
     )
 
 

@@ -57,6 +57,8 @@ def _ints(name: str, value, low: int) -> list[int]:
 class EvalConfig:
     tasks: list = _f([], "tasks besides the run's own training task ('babi:N', 'facts', 'facts-heldout', "
                          "'babilong:N:LENGTH'), reported separately and marked held out unless trained on")
+    only_tasks: bool = _f(False, "evaluate only ``tasks``, not the run's training task (e.g. one long-context "
+                                 "task of a run trained on short contexts)")
     methods: list = _f(list(DEFAULT_METHODS), "method names and groups (ilcp.evaluation.registry.make_method); those "
                                               "whose weights the run lacks are skipped with a note")
     limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the test split (None or 0: all)")
@@ -93,6 +95,8 @@ class EvalConfig:
         self.methods = _names(self.methods, "methods")
         if not self.methods:
             raise ValueError("no methods given")
+        if self.only_tasks and not self.tasks:
+            raise ValueError("only_tasks needs tasks: name the tasks to evaluate")
         bad = [m for m in self.tasks + self.methods if not isinstance(m, str)]
         if bad:
             raise ValueError(f"tasks and methods must be names (strings), got {bad[0]!r}")

@@ -286,3 +286,56 @@ def test_sender_states_stay_within_their_position_bound(tiny_lm):
     assert states.built == 4 and states._positions <= states.max_positions
     one = SenderStates(tiny_lm, max_positions=1)  # a state over the bound is still kept until the next
     assert one.get(texts[1]) is one.get(texts[1]) and one.built == 1
+
+
+def test_rows_sharing_sender_states_build_each_once_under_a_tight_position_bound(run_dir, tiny_lm, tmp_path,
+                                                                                   monkeypatch):
+    """Several RCLC and kv_relay rows over contexts whose states overflow the bound: the evaluation
+    runs them chunk by chunk, so each context's state is built once, and every row's answers
+    and metrics are those of the row evaluated alone."""
+    from ilcp.evaluation import rclc_methods
+
+    names = ["rclc:cacheback:r4", "rclc:qsnap:r8", "kv_relay:cacheback:r8"]
+    lengths = []
+
+    class Tight(rclc_methods.SenderStates):  # room for about two contexts at a time
+        def __init__(self, lm):
+            super().__init__(lm, max_positions=2 * max(lengths))
+
+    rows = load_babi(1, "test", variant="en").to_list()[:5]
+    framing = receiver_framing(tiny_lm.tokenizer)
+    lengths += [len(tiny_lm.tokenizer(framing.lead + r["context"].strip())["input_ids"]) for r in rows]
+    monkeypatch.setattr(rclc_methods, "SenderStates", Tight)
+    monkeypatch.setattr(eval_run, "_task_rows", lambda spec, limit, *a: (rows, 5, "test"))
+    notes = []
+    together = evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, log=notes.append, **FAST)
+    assert any("3 methods share each context's sender state" in n for n in notes)
+    built = []
+    real_get = rclc_methods.SenderStates.get
+    monkeypatch.setattr(rclc_methods.SenderStates, "get",
+                        lambda self, text: (built.append(text) if text not in self._states else None)
+                        or real_get(self, text))
+    again = evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, out=tmp_path / "o", **FAST)
+    assert len(built) == len(rows)  # once per context, for all three rows
+    for name in names:
+        alone = evaluate(run_dir, methods=[name], limit=5, latency_n=0, lm=tiny_lm, **FAST)
+        a, b, c = (r["tasks"]["babi:1"]["methods"][name] for r in (alone, together, again))
+        for key in ("n", "exact_match", "contains", "wire_bytes", "prefill_positions"):
+            assert a[key] == b[key] == c[key], (name, key)
+    preds = [json.loads(line) for line in (tmp_path / "o" / "predictions.jsonl").read_text().splitlines()]
+    assert {p["method"] for p in preds} == set(names)
+
+
+def test_only_tasks_skips_the_training_task(run_dir, tiny_lm, tmp_path, capsys):
+    results = evaluate(run_dir, methods=["no_context"], tasks=["babi:2"], only_tasks=True, limit=2, latency_n=0,
+                       lm=tiny_lm, **FAST)
+    assert list(results["tasks"]) == ["babi:2"] and results["run"]["train_task"] == "babi:1"
+    assert results["tasks"]["babi:2"]["seen_in_training"] is False
+    with pytest.raises(ValueError, match="only_tasks needs tasks"):
+        evaluate(run_dir, methods=["no_context"], only_tasks=True, lm=tiny_lm, **FAST)
+    eval_script = _load_eval_script()
+    with pytest.raises(SystemExit) as exit_info:
+        eval_script.main(["--ckpt", str(run_dir), "--only-tasks", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "only_tasks needs tasks" in err and "Traceback" not in err

@@ -52,7 +52,7 @@ from .. import compat, rclc
 from ..decoding import DecodeResult, decoded_answer, has_line, stop_token_ids  # the shared stop rule
 from ..prompts import question_prompt
 from ..rclc.hf import context_limit
-from .rclc_methods import SELECTORS, SENDER_STATES, SenderStates, parse_selection_name, receiver_framing
+from .rclc_methods import SELECTORS, parse_selection_name, receiver_framing, sender_states
 from .registry import Decoded, EvalContext, HandoffMethod, Sent, register_method
 
 __all__ = ["KVHandoff", "KVRelayMethod", "KVRelaySpec", "RelayInputs", "kv_cache_from", "parse_kv_relay_name",
@@ -216,6 +216,7 @@ class KVRelayMethod(HandoffMethod):
     """
 
     decodes_itself = True
+    shares_sender_states = True
     vllm_unavailable = "its receiver starts from a relayed KV cache, which vLLM's prompt_embeds input cannot take"
 
     def __init__(self, name: str):
@@ -290,7 +291,7 @@ class KVRelayMethod(HandoffMethod):
         """Row by row (each row has its own cache); each context's sender state is built once for
         every rclc and kv_relay row of the evaluation (`SenderStates` in the context's extras; the
         selection works on a clone and the pruning copies, so sharing changes nothing)."""
-        states = self.ctx.extras.setdefault(SENDER_STATES, SenderStates(self.lm))
+        states = sender_states(self.ctx)
         answers, wire, positions = [], [], []
         decode_s = 0.0
         for row in rows:

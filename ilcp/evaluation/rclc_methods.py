@@ -213,12 +213,20 @@ class SenderStates:
         return state
 
 
+def sender_states(ctx: EvalContext) -> SenderStates:
+    """The evaluation's one `SenderStates` (kept in the context's extras), shared by every RCLC
+    and kv_relay row."""
+    return ctx.extras.setdefault(SENDER_STATES, SenderStates(ctx.lm))
+
+
 class RCLCMethod(HandoffMethod):
     """One RCLC row: selected sender rows at a budget, placed by `ilcp.rclc.HFReceiver`.
 
     ``send`` returns a `Sent` whose ``handed_over`` is the `ilcp.rclc.Delivery` (rows, not
     bytes); ``receive`` returns the (L, H) prefix described in the module docstring.
     """
+
+    shares_sender_states = True
 
     def __init__(self, name: str):
         super().__init__(name)
@@ -260,7 +268,7 @@ class RCLCMethod(HandoffMethod):
         built once for every RCLC method and budget of the evaluation (`SenderStates`, kept in the
         context's extras): selectors work on a clone of the state's cache, so sharing it changes
         no row. The timed path (`send`) still builds its own."""
-        states = self.ctx.extras.setdefault(SENDER_STATES, SenderStates(self.lm))
+        states = sender_states(self.ctx)
         sent = [self._select(states.get(self.sender_text(r["context"])), r) for r in rows]
         return Prefixes(prefixes=[self.receive(s, r) for s, r in zip(sent, rows)],
                         wire_bytes=[s.wire_bytes for s in sent], tensor_bytes=[s.tensor_bytes for s in sent])

@@ -150,6 +150,9 @@ class HandoffMethod:
             ``prompt_embeds``; prefixes longer than the engine's context are refused apart).
         decodes_itself: the receiver does not start from an (L, H) prefix; the evaluation calls
             `decode_rows` and `decode_received` instead of the shared greedy decoder.
+        shares_sender_states: the accuracy path builds each context's sender state through the
+            evaluation's shared `SenderStates` (``sender_text(context)`` names it), so the
+            evaluation runs such methods together, chunk by chunk of questions.
     """
 
     name: str = ""
@@ -157,6 +160,7 @@ class HandoffMethod:
     carries_context: bool = True
     vllm_unavailable: str | None = None
     decodes_itself: bool = False
+    shares_sender_states: bool = False
 
     def __init__(self, name: str | None = None):
         if name is not None:

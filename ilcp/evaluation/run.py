@@ -64,6 +64,7 @@ from ..engines.vllm import VLLMDecoder, require_vllm
 from ..eval_config import EvalConfig
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
 from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N
+from .rclc_methods import SenderStates, sender_states
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import accuracy_summary, latency_summary, write_report
 
@@ -247,75 +248,112 @@ def _latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, p
 # accuracy, batched
 
 
-def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
-              progress: bool, desc: str, vllm: VLLMDecoder | None = None) -> tuple[dict, list[str], list[str] | None]:
-    """Metrics and predictions of the HF decoder; with ``vllm``, the same prefixes decoded through
-    it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions."""
-    lm = method.lm
-    predictions: list[str] = []
-    vllm_predictions: list[str] | None = [] if vllm is not None else None
-    unavailable: str | None = None
-    decode_s = vllm_s = 0.0
-    wire, tensor, positions = [], [], []
-    chunks = range(0, len(rows), CHUNK)
-    for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        chunk = rows[start:start + CHUNK]
+class _Accuracy:
+    """One method's accuracy on a task, fed chunk by chunk (`add`), so that several methods can
+    take turns on the same chunk of questions (`_accuracy_shared`)."""
+
+    def __init__(self, method: HandoffMethod, max_new_tokens: int, batch_size: int,
+                 vllm: VLLMDecoder | None = None):
+        self.method, self.max_new_tokens, self.batch_size, self.vllm = method, max_new_tokens, batch_size, vllm
+        self.predictions: list[str] = []
+        self.vllm_predictions: list[str] | None = [] if vllm is not None else None
+        self.unavailable: str | None = None
+        self.decode_s = self.vllm_s = 0.0
+        self.wire, self.tensor, self.positions = [], [], []
+
+    def add(self, chunk: Sequence[dict]) -> None:
+        method, vllm, max_new_tokens = self.method, self.vllm, self.max_new_tokens
         if method.decodes_itself:  # its receiver starts from no (L, H) prefix (e.g. a KV cache)
             decoded = method.decode_rows(chunk, max_new_tokens=max_new_tokens, stop_at_newline=True)
-            predictions += decoded.answers
-            decode_s += decoded.decode_s
-            wire += decoded.wire_bytes
-            tensor += decoded.tensor_bytes
-            positions += decoded.prefill_positions
-            if vllm is not None and unavailable is None:
-                unavailable = str(method.vllm_unavailable or "the method decodes itself")
-            continue
+            self.predictions += decoded.answers
+            self.decode_s += decoded.decode_s
+            self.wire += decoded.wire_bytes
+            self.tensor += decoded.tensor_bytes
+            self.positions += decoded.prefill_positions
+            if vllm is not None and self.unavailable is None:
+                self.unavailable = str(method.vllm_unavailable or "the method decodes itself")
+            return
         built = method.build_prefixes(chunk)
         # Batches of similar lengths pad less; answers do not depend on the batching.
         order = sorted(range(len(chunk)), key=lambda i: built.prefixes[i].shape[0])
         ordered = [built.prefixes[i] for i in order]
         t0 = time.perf_counter()
-        answers = greedy_decode(lm.model, lm.tokenizer, ordered,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size, stop_at_newline=True)
-        decode_s += time.perf_counter() - t0
-        in_order = [""] * len(chunk)
-        for i, answer in zip(order, answers):
-            in_order[i] = answer
-        predictions += in_order
-        if vllm is not None and unavailable is None:
-            unavailable = vllm_unavailable(method, ordered, vllm, max_new_tokens)
-        if vllm is not None and unavailable is None:
+        answers = greedy_decode(method.lm.model, method.lm.tokenizer, ordered, max_new_tokens=max_new_tokens,
+                                batch_size=self.batch_size, stop_at_newline=True)
+        self.decode_s += time.perf_counter() - t0
+        self.predictions += _unsort(order, answers)
+        if vllm is not None and self.unavailable is None:
+            self.unavailable = vllm_unavailable(method, ordered, vllm, max_new_tokens)
+        if vllm is not None and self.unavailable is None:
             t0 = time.perf_counter()
             try:
                 answers = vllm.decode(ordered, max_new_tokens=max_new_tokens, stop_at_newline=True)
             except (ValueError, RuntimeError) as e:  # what the engine refuses, said in one line
-                unavailable = " ".join(str(e).split()) or type(e).__name__
+                self.unavailable = " ".join(str(e).split()) or type(e).__name__
             else:
-                vllm_s += time.perf_counter() - t0
-                vllm_order = [""] * len(chunk)
-                for i, answer in zip(order, answers):
-                    vllm_order[i] = answer
-                vllm_predictions += vllm_order
-        wire += built.wire_bytes
-        tensor += built.tensor_bytes
-        positions += [int(p.shape[0]) for p in built.prefixes]
-    def mean(x):
-        return sum(x) / len(x) if x else None
+                self.vllm_s += time.perf_counter() - t0
+                self.vllm_predictions += _unsort(order, answers)
+        self.wire += built.wire_bytes
+        self.tensor += built.tensor_bytes
+        self.positions += [int(p.shape[0]) for p in built.prefixes]
 
-    metrics = {
-        **accuracy_summary(predictions, [r["answer"] for r in rows]),
-        "wire_bytes": mean(wire) if wire else 0.0,
-        "tensor_bytes": mean(tensor) if tensor else 0.0,
-        "prefill_positions": mean(positions) if positions else 0.0,
-        "decode_s": round(decode_s, 3),
-    }
-    if vllm is not None:
-        if unavailable is not None:
-            metrics["vllm"] = {"unavailable": f"unavailable on vllm: {unavailable}"}
-            vllm_predictions = None
-        else:
-            metrics["vllm"] = compare(rows, predictions, vllm_predictions, vllm_s)
-    return metrics, predictions, vllm_predictions
+    def result(self, rows: Sequence[dict]) -> tuple[dict, list[str], list[str] | None]:
+        def mean(x):
+            return sum(x) / len(x) if x else 0.0
+
+        metrics = {
+            **accuracy_summary(self.predictions, [r["answer"] for r in rows]),
+            "wire_bytes": mean(self.wire),
+            "tensor_bytes": mean(self.tensor),
+            "prefill_positions": mean(self.positions),
+            "decode_s": round(self.decode_s, 3),
+        }
+        vllm_predictions = self.vllm_predictions
+        if self.vllm is not None:
+            if self.unavailable is not None:
+                metrics["vllm"] = {"unavailable": f"unavailable on vllm: {self.unavailable}"}
+                vllm_predictions = None
+            else:
+                metrics["vllm"] = compare(rows, self.predictions, vllm_predictions, self.vllm_s)
+        return metrics, self.predictions, vllm_predictions
+
+
+def _unsort(order: Sequence[int], answers: Sequence[str]) -> list[str]:
+    in_order = [""] * len(order)
+    for i, answer in zip(order, answers):
+        in_order[i] = answer
+    return in_order
+
+
+def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
+              progress: bool, desc: str, vllm: VLLMDecoder | None = None) -> tuple[dict, list[str], list[str] | None]:
+    """Metrics and predictions of the HF decoder; with ``vllm``, the same prefixes decoded through
+    it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions."""
+    acc = _Accuracy(method, max_new_tokens, batch_size, vllm)
+    for start in tqdm(range(0, len(rows), CHUNK), desc=desc, disable=not progress, leave=False):
+        acc.add(rows[start:start + CHUNK])
+    return acc.result(rows)
+
+
+def _accuracy_shared(methods: Sequence[HandoffMethod], rows: Sequence[dict], states: SenderStates, *,
+                     batch_size: int, max_new_tokens: int, progress: bool, desc: str,
+                     vllm: VLLMDecoder | None = None) -> list[tuple[dict, list[str], list[str] | None, float]]:
+    """`_accuracy` of several methods that share sender states (RCLC and kv_relay rows), with the
+    questions outside and the methods inside: each chunk holds as many contexts as ``states``
+    keeps at once, so every context's sender state is built once for all the methods, however
+    long the contexts (methods outside would rebuild them once a method's contexts overflow the
+    bound). Returns, per method, `_accuracy`'s triple and the seconds spent on it."""
+    lengths = context_lengths(methods[0].lm.tokenizer, [methods[0].sender_text(r["context"]) for r in rows])
+    per_chunk = max(1, min(CHUNK, states.capacity, states.max_positions // max(max(lengths, default=1), 1)))
+    accs = [_Accuracy(m, max_new_tokens, batch_size, vllm) for m in methods]
+    seconds = [0.0] * len(methods)
+    for start in tqdm(range(0, len(rows), per_chunk), desc=desc, disable=not progress, leave=False):
+        chunk = rows[start:start + per_chunk]
+        for i, acc in enumerate(accs):
+            t0 = time.perf_counter()
+            acc.add(chunk)
+            seconds[i] += time.perf_counter() - t0
+    return [(*acc.result(rows), s) for acc, s in zip(accs, seconds)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,10 +376,10 @@ def _training_tasks(train_task: str) -> list[TaskSpec]:
     return [parse_task(train_task)]
 
 
-def _resolve_tasks(train_task: str, extra: Sequence[str]) -> list[TaskSpec]:
+def _resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False) -> list[TaskSpec]:
     if isinstance(extra, str):
         extra = [t for t in extra.split(",") if t.strip()]
-    specs = _training_tasks(train_task) + [parse_task(t) for t in extra]
+    specs = ([] if only_extra else _training_tasks(train_task)) + [parse_task(t) for t in extra]
     return list({s.name: s for s in specs}.values())
 
 
@@ -383,7 +421,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     ckpt = Path(ckpt)
     run_config = read_config(ckpt)
     chosen = _resolve_methods(config.methods)
-    task_specs = _resolve_tasks(run_config["task"], config.tasks)
+    task_specs = _resolve_tasks(run_config["task"], config.tasks, config.only_tasks)
     trained_on = {s.name for s in _training_tasks(run_config["task"])}
     facts_settings = run_facts_settings(run_config, ckpt) if any(spec.is_facts for spec in task_specs) else None
     files = run_config.get("files", {})
@@ -495,7 +533,7 @@ def evaluate(
     results: dict = {
         "run": {"path": str(session.ckpt), "lm_spec": session.run_config["lm"]["spec"],
                 "fingerprint": lm.fingerprint,
-                "train_task": "+".join(s.name for s in session.tasks if s.name in session.trained_on),
+                "train_task": "+".join(s.name for s in _training_tasks(session.run_config["task"])),
                 "latent_dim": session.run_config.get("latent_dim"),
                 "num_memory_tokens": session.run_config.get("num_memory_tokens")},
         "settings": {"limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,
@@ -548,10 +586,24 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
                 f"{session.handoff.max_length} tokens: the ilcp sender reads their last tokens")
     by_method: dict[str, list[str]] = {}
     by_method_vllm: dict[str, list[str]] = {}
+    parts = {m.name: (_part_path(cfg.out, spec.name, m.name) if cfg.out is not None else None,
+                      _part_key(session, spec.name, m.name)) for m in session.methods}
+    saved_parts = {name: _read_part(part, key) if cfg.resume and part is not None else None
+                   for name, (part, key) in parts.items()}
+    shared = [m for m in session.methods if m.shares_sender_states and saved_parts[m.name] is None]
+    accuracy_done: dict[str, tuple] = {}
+    if len(shared) > 1:  # every context's sender state built once for all of them
+        say(f"  {len(shared)} methods share each context's sender state: their accuracy runs question chunk by "
+            "question chunk, all of them on each chunk")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*longer than this export's max_length.*")
+            done = _accuracy_shared(shared, rows, sender_states(shared[0].ctx), batch_size=cfg.batch_size,
+                                    max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
+                                    desc=f"{spec.name} {len(shared)} rclc/kv_relay rows accuracy", vllm=session.vllm)
+        accuracy_done = {m.name: d for m, d in zip(shared, done)}
     for m in session.methods:
-        part = _part_path(cfg.out, spec.name, m.name) if cfg.out is not None else None
-        key = _part_key(session, spec.name, m.name)
-        saved = _read_part(part, key) if cfg.resume and part is not None else None
+        part, key = parts[m.name]
+        saved = saved_parts[m.name]
         if saved is not None:
             metrics, preds, vllm_preds = saved
             task_result["methods"][m.name], by_method[m.name] = metrics, preds
@@ -563,14 +615,18 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # counted once above, not warned per context
             warnings.filterwarnings("ignore", message=".*longer than this export's max_length.*")
-            metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size,
-                                                   max_new_tokens=cfg.max_new_tokens,
-                                                   progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
-                                                   vllm=session.vllm)
+            if m.name in accuracy_done:
+                metrics, preds, vllm_preds, accuracy_s = accuracy_done[m.name]
+            else:
+                metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size,
+                                                       max_new_tokens=cfg.max_new_tokens,
+                                                       progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
+                                                       vllm=session.vllm)
+                accuracy_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             metrics["latency"] = _latency(m, rows[:cfg.latency_n], cfg.max_new_tokens, cfg.progress,
                                           f"{spec.name} {m.name} latency")
-        metrics["seconds"] = {"accuracy": round(t1 - t0, 2), "latency": round(time.perf_counter() - t1, 2)}
+        metrics["seconds"] = {"accuracy": round(accuracy_s, 2), "latency": round(time.perf_counter() - t1, 2)}
         task_result["methods"][m.name] = metrics
         by_method[m.name] = preds
         if part is not None:  # one finished (task, method) survives a stopped evaluation
@@ -580,7 +636,7 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
             by_method_vllm[m.name] = vllm_preds
         say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
             f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
-            f"{metrics['wire_bytes']:,.0f} B on the wire ({t1 - t0:.0f}s accuracy, "
+            f"{metrics['wire_bytes']:,.0f} B on the wire ({accuracy_s:.0f}s accuracy, "
             f"{metrics['seconds']['latency']:.0f}s latency)")
         if "vllm" in metrics:
             v = metrics["vllm"]
