@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +198,19 @@ class SenderStates:
         self.lm, self.capacity, self.max_positions, self.built = lm, capacity, max_positions, 0
         self._states: OrderedDict[str, rclc.SenderState] = OrderedDict()
         self._positions = 0
+        self._selections: dict[str, dict[tuple, rclc.Delivery]] = {}  # by text: (selector, budget, question)
+        self.selected = 0  # selections made (a test reads it)
+
+    def selection(self, text: str, key: tuple, select: Callable[[rclc.SenderState], rclc.Delivery]) -> rclc.Delivery:
+        """The delivery ``select`` makes from ``text``'s state, made once per ``key`` while the
+        state is held: rows that differ only in what the receiver puts before the rows (``:tuned``)
+        share the selection (selectors are deterministic and work on a clone of the cache)."""
+        state = self.get(text)
+        held = self._selections.setdefault(text, {})
+        if key not in held:
+            held[key] = select(state)
+            self.selected += 1
+        return held[key]
 
     def get(self, text: str) -> rclc.SenderState:
         state = self._states.get(text)
@@ -207,7 +221,9 @@ class SenderStates:
             self._positions += state.positions
             while len(self._states) > 1 and (len(self._states) > self.capacity
                                              or self._positions > self.max_positions):
-                self._positions -= self._states.popitem(last=False)[1].positions
+                dropped, old = self._states.popitem(last=False)
+                self._positions -= old.positions
+                self._selections.pop(dropped, None)
         else:
             self._states.move_to_end(text)
         return state
@@ -269,15 +285,24 @@ class RCLCMethod(HandoffMethod):
         context's extras): selectors work on a clone of the state's cache, so sharing it changes
         no row. The timed path (`send`) still builds its own."""
         states = sender_states(self.ctx)
-        sent = [self._select(states.get(self.sender_text(r["context"])), r) for r in rows]
+        key = (self.spec.selector, self.spec.ratio, self.spec.budget)
+        sent = [self._sent(states.selection(self.sender_text(r["context"]), (*key, r["question"].strip()),
+                                            lambda state, r=r: self._deliver(state, r)))
+                for r in rows]
         return Prefixes(prefixes=[self.receive(s, r) for s, r in zip(sent, rows)],
                         wire_bytes=[s.wire_bytes for s in sent], tensor_bytes=[s.tensor_bytes for s in sent])
 
     def _select(self, state: rclc.SenderState, row: dict) -> Sent:
+        return self._sent(self._deliver(state, row))
+
+    def _deliver(self, state: rclc.SenderState, row: dict) -> rclc.Delivery:
         deliveries: list[rclc.Delivery] = []
         rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
                            budget=self.spec.budget, selector=self.selector)
-        delivery = deliveries[0]
+        return deliveries[0]
+
+    @staticmethod
+    def _sent(delivery: rclc.Delivery) -> Sent:
         return Sent(handed_over=delivery, wire_bytes=delivery.nbytes, tensor_bytes=delivery.nbytes)
 
     def receive(self, sent: Sent, row: dict) -> Tensor:
