@@ -266,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ilcp.engines.served import ServedReceiver
 
+    from ilcp.io import atomic_write_json
+    from ilcp.provenance import command_line, provenance
+
     server = None
-    report: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    report: dict = {"provenance": provenance(command_line().replace("python ", ".venv-vllm/bin/python ", 1)
+                                             if "venv-vllm" in sys.executable else None)}
     try:
         if args.start:
             server = Server(args.ckpt, free_port(), extra, Path(args.json or "served_load").with_suffix(".server.log"))
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        atomic_write_json(Path(args.json), report)
     return 0
 
 

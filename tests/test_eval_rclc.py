@@ -295,7 +295,8 @@ def test_rows_sharing_sender_states_build_each_once_under_a_tight_position_bound
     and metrics are those of the row evaluated alone."""
     from ilcp.evaluation import rclc_methods
 
-    names = ["rclc:cacheback:r4", "rclc:cacheback:r4:tuned", "rclc:qsnap:r8", "kv_relay:cacheback:r8"]
+    names = ["rclc:cacheback:r4", "rclc:cacheback:r4:tuned", "rclc:cacheback:r8", "rclc:qsnap:r8",
+             "kv_relay:cacheback:r8"]
     lengths = []
 
     class Tight(rclc_methods.SenderStates):  # room for about two contexts at a time
@@ -309,21 +310,21 @@ def test_rows_sharing_sender_states_build_each_once_under_a_tight_position_bound
     monkeypatch.setattr(eval_run, "_task_rows", lambda spec, limit, *a: (rows, 5, "test"))
     notes = []
     together = evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, log=notes.append, **FAST)
-    assert any("4 methods share each context's sender state" in n for n in notes)
+    assert any("5 methods share each context's sender state" in n for n in notes)
     built = []
     real_get = rclc_methods.SenderStates.get
     monkeypatch.setattr(rclc_methods.SenderStates, "get",
                         lambda self, text: (built.append(text) if text not in self._states else None)
                         or real_get(self, text))
     again = evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, out=tmp_path / "o", **FAST)
-    assert len(built) == len(rows)  # once per context, for all four rows
-    selected = []
-    real_selection = rclc_methods.SenderStates.selection
-    monkeypatch.setattr(rclc_methods.SenderStates, "selection",
-                        lambda self, text, key, select: real_selection(self, text, key,
-                                                                       lambda st: selected.append(key) or select(st)))
+    assert len(built) == len(rows)  # once per context, for all five rows
+    counted = []
+    real_init = rclc_methods.SenderStates.__init__
+    monkeypatch.setattr(rclc_methods.SenderStates, "__init__",
+                        lambda self, *a, **k: counted.append(self) or real_init(self, *a, **k))
     evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, **FAST)
-    assert len(selected) == 2 * len(rows)  # r4 and r4:tuned share one selection per question
+    assert counted[-1].selected == 3 * len(rows)  # r4 and r4:tuned share one selection per question
+    assert counted[-1].profiled == 2 * len(rows)  # one attention pass per selector and question
     for name in names:
         alone = evaluate(run_dir, methods=[name], limit=5, latency_n=0, lm=tiny_lm, **FAST)
         a, b, c = (r["tasks"]["babi:1"]["methods"][name] for r in (alone, together, again))

@@ -83,3 +83,27 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
 def test_a_readme_without_the_markers_is_refused():
     with pytest.raises(ValueError, match="results:begin"):
         results_docs.replace_block("no markers here", "results", "x")
+
+
+def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_path):
+    results = tmp_path / "results"
+    story = results / "babilong-story"
+    story.mkdir(parents=True)
+    (story / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.3, 163), "cold_read": (0.0, 900)})))
+    grid = {f"rclc:{sel}:{b}{tuned}": (em, 1000) for sel, em in (("qsnap", 0.1), ("overlap", 0.2))
+            for b in ("r1", "r4", "r8") for tuned in ("", ":tuned")}
+    grid["kv_relay:cacheback:r8"] = (0.05, 500)
+    rclc = _eval_result(grid)
+    rclc["tasks"] = {"babilong:1:2k": rclc["tasks"]["babilong:1:1k"]}
+    (results / "babilong-rclc-2k").mkdir()
+    (results / "babilong-rclc-2k" / "results.json").write_text(json.dumps(rclc))
+    (results / "babilong-1k").mkdir()
+    (results / "babilong-1k" / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.1, 163)})))
+    block = results_docs.babilong_block(results)
+    length_table = block.split("\n\n")[0]
+    assert "`ilcp`" in length_table and "`cold_read`" in length_table and "rclc:" not in length_table
+    assert "RCLC rows at babilong:1:2k (n=10" in block
+    assert "| selector | r1 | r4 | r8 | r1 :tuned | r4 :tuned | r8 :tuned |" in block
+    assert "| `overlap` | " + " | ".join(["20.0 [10.0, 30.0]"] * 6) + " |" in block
+    assert "`kv_relay:cacheback:r8` 5.0 [0.0, 15.0]" in block
+    assert "Earlier recipes: [babilong-1k]" in block

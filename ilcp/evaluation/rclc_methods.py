@@ -59,6 +59,7 @@ selector at r16, r8, r4, r2, b16 and b32, and r1) and ``rclc-budgets-tuned`` the
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import OrderedDict
 from collections.abc import Callable
@@ -199,7 +200,28 @@ class SenderStates:
         self._states: OrderedDict[str, rclc.SenderState] = OrderedDict()
         self._positions = 0
         self._selections: dict[str, dict[tuple, rclc.Delivery]] = {}  # by text: (selector, budget, question)
-        self.selected = 0  # selections made (a test reads it)
+        self._profiles: dict[str, dict[tuple, object]] = {}  # by text: (selector, question)
+        self.selected = self.profiled = 0  # selections and attention passes made (tests read them)
+
+    def selector(self, text: str, name: str, selector, question: str):
+        """``selector`` with its attention pass over ``text``'s state for ``question`` made once
+        while the state is held, whatever the budget: a built-in selector scores positions from
+        one pass (`Selector.profile`) and only then cuts to the budget, so the rows of r4, r8 and
+        r16 share it. Anything else is returned as it is."""
+        if not rclc.selectors.is_builtin(selector):
+            return selector
+        held = self._profiles.setdefault(text, {})
+        key = (name, question)
+        shared = copy.copy(selector)
+
+        def profile(sender, request_ids):
+            if key not in held:
+                held[key] = selector.profile(sender, request_ids)
+                self.profiled += 1
+            return held[key]
+
+        shared.profile = profile
+        return shared
 
     def selection(self, text: str, key: tuple, select: Callable[[rclc.SenderState], rclc.Delivery]) -> rclc.Delivery:
         """The delivery ``select`` makes from ``text``'s state, made once per ``key`` while the
@@ -224,6 +246,7 @@ class SenderStates:
                 dropped, old = self._states.popitem(last=False)
                 self._positions -= old.positions
                 self._selections.pop(dropped, None)
+                self._profiles.pop(dropped, None)
         else:
             self._states.move_to_end(text)
         return state
@@ -232,7 +255,9 @@ class SenderStates:
 def sender_states(ctx: EvalContext) -> SenderStates:
     """The evaluation's one `SenderStates` (kept in the context's extras), shared by every RCLC
     and kv_relay row."""
-    return ctx.extras.setdefault(SENDER_STATES, SenderStates(ctx.lm))
+    if SENDER_STATES not in ctx.extras:
+        ctx.extras[SENDER_STATES] = SenderStates(ctx.lm)
+    return ctx.extras[SENDER_STATES]
 
 
 class RCLCMethod(HandoffMethod):
@@ -286,19 +311,22 @@ class RCLCMethod(HandoffMethod):
         no row. The timed path (`send`) still builds its own."""
         states = sender_states(self.ctx)
         key = (self.spec.selector, self.spec.ratio, self.spec.budget)
-        sent = [self._sent(states.selection(self.sender_text(r["context"]), (*key, r["question"].strip()),
-                                            lambda state, r=r: self._deliver(state, r)))
-                for r in rows]
+        sent = []
+        for r in rows:
+            text, question = self.sender_text(r["context"]), r["question"].strip()
+            selector = states.selector(text, self.spec.selector, self.selector, question)
+            sent.append(self._sent(states.selection(text, (*key, question),
+                                                    lambda state, r=r: self._deliver(state, r, selector))))
         return Prefixes(prefixes=[self.receive(s, r) for s, r in zip(sent, rows)],
                         wire_bytes=[s.wire_bytes for s in sent], tensor_bytes=[s.tensor_bytes for s in sent])
 
     def _select(self, state: rclc.SenderState, row: dict) -> Sent:
         return self._sent(self._deliver(state, row))
 
-    def _deliver(self, state: rclc.SenderState, row: dict) -> rclc.Delivery:
+    def _deliver(self, state: rclc.SenderState, row: dict, selector=None) -> rclc.Delivery:
         deliveries: list[rclc.Delivery] = []
         rclc.transfer_sync(state, deliveries.append, row["question"].strip(), ratio=self.spec.ratio,
-                           budget=self.spec.budget, selector=self.selector)
+                           budget=self.spec.budget, selector=self.selector if selector is None else selector)
         return deliveries[0]
 
     @staticmethod
