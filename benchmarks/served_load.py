@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     report: dict = {"provenance": provenance(command_line().replace("python ", ".venv-vllm/bin/python ", 1)
                                              if "venv-vllm" in sys.executable else None)}
+    report["provenance"]["conditions"] = (f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')}; "
+                                          "the server and the agents' process on this machine")
     try:
         if args.start:
             server = Server(args.ckpt, free_port(), extra, Path(args.json or "served_load").with_suffix(".server.log"))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .io import atomic_write_text
@@ -398,6 +398,66 @@ def _rclc_grids(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
     return out
 
 
+BABILONG_FIGURES = ("babilong_lengths.png", "babilong_ttft_2k.png")
+
+
+def _current_babilong(results_dir: Path) -> list[tuple[Path, dict]]:
+    return [(folder, d) for folder in experiment_folders(results_dir)
+            if folder.name.startswith(BABILONG_CURRENT)
+            for d in map(_load, _json_files(folder)) if d is not None and _is_eval(d)]
+
+
+def _over_lengths(evals: list[tuple[Path, dict]], *, keep_single: bool = False) -> dict:
+    """The current BABILong results as one eval result: each task's methods from every folder
+    (the first folder wins a method), only the methods evaluated on two tasks or more; with
+    ``keep_single``, the best RCLC row of each budget too (by exact match, then contains)."""
+    tasks: dict[str, dict] = {}
+    for _, d in evals:
+        for task, t in d["tasks"].items():
+            merged = tasks.setdefault(task, {**t, "methods": {}})
+            for m, metrics in t["methods"].items():
+                merged["methods"].setdefault(m, metrics)
+    count: dict[str, int] = {}
+    for t in tasks.values():
+        for m in t["methods"]:
+            count[m] = count.get(m, 0) + 1
+    for t in tasks.values():
+        best: dict[str, tuple] = {}
+        for m, v in t["methods"].items():
+            match = _RCLC_ROW.match(m)
+            if keep_single and match and count[m] == 1:
+                rank = (v["exact_match"], v.get("contains", 0.0))
+                if match["budget"] not in best or rank > best[match["budget"]][0]:
+                    best[match["budget"]] = (rank, m)
+        chosen = {m for _, m in best.values()}
+        t["methods"] = {m: v for m, v in t["methods"].items() if count[m] > 1 or m in chosen}
+    return {"tasks": tasks}
+
+
+def _babilong_figures(results_dir: Path) -> list[tuple[str, Callable, dict]]:
+    """What `draw_babilong` draws: (file name, plot function, its results) for each figure the
+    current BABILong folders have data for."""
+    from .babilong import is_babilong_name, parse_babilong_name
+    from .evaluation.report import length_curves, plot_accuracy_vs_length, plot_accuracy_vs_ttft
+
+    current = _current_babilong(results_dir)
+    merged = _over_lengths(current)
+    upto_2k = {"tasks": {k: t for k, t in _over_lengths(current, keep_single=True)["tasks"].items()
+                         if is_babilong_name(k) and parse_babilong_name(k).length <= 2048}}
+    timed = any(((points[-1][2].get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
+                for methods in length_curves(upto_2k).values() for points in methods.values())
+    figures = [(BABILONG_FIGURES[0], plot_accuracy_vs_length, merged)] if length_curves(merged) else []
+    return figures + ([(BABILONG_FIGURES[1], plot_accuracy_vs_ttft, upto_2k)] if timed else [])
+
+
+def draw_babilong(results_dir: Path) -> list[Path]:
+    """docs/results/babilong_lengths.png (exact match against context length, one line per method
+    evaluated at two lengths or more) and babilong_ttft_2k.png (exact match against the receiver's
+    time to first token at the longest length up to 2k; those methods and the best RCLC row of
+    each budget), over the current BABILong folders."""
+    return [plot(results, results_dir / name) for name, plot, results in _babilong_figures(results_dir)]
+
+
 def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
     """Every folder whose name starts with ``babilong``: those of `BABILONG_CURRENT` as one table of
     exact match per task and method over lengths, the receiver's cost at the longest length and
@@ -412,6 +472,9 @@ def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
         else:
             earlier.append(f"[{folder.name}]({link_prefix}{folder.name}/README.md) ({title(folder)})")
     out = _babilong_tables(current, link_prefix) + [""] + _rclc_grids(current, link_prefix) if current else []
+    figures = [f"![{name[:-4]}]({link_prefix}{name})" for name, _, _ in _babilong_figures(results_dir)]
+    if current and figures:
+        out += [" ".join(figures), ""]
     if earlier:
         out.append("Earlier recipes: " + "; ".join(earlier) + ".")
     return "\n".join(out).rstrip("\n")
@@ -463,6 +526,7 @@ def write(root: Path, *, figure: bool = True) -> list[Path]:
         atomic_write_text(path, texts[path])
     if figure:
         draw_at_a_glance(root / RESULTS_DIR)
+        draw_babilong(root / RESULTS_DIR)
     return changed
 
 

@@ -107,3 +107,6 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "| `overlap` | " + " | ".join(["20.0 [10.0, 30.0]"] * 6) + " |" in block
     assert "`kv_relay:cacheback:r8` 5.0 [0.0, 15.0]" in block
     assert "Earlier recipes: [babilong-1k]" in block
+    assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
+    assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]
+    assert (results / "babilong_lengths.png").stat().st_size > 0
