@@ -51,13 +51,11 @@ GLANCE = (
     ("babi:1", "text (cold read)", "main-float32", "cold_read"),
     ("babi:1", "text, 8 tuned vectors", "main-float32", "cold_read_tuned"),
     ("babi:1", "ILCP: one 32-float latent (default)", "main-float32", "ilcp"),
-    ("babi:1", "RCLC: qsnap rows r4, 8 tuned vectors", "rclc-tuned200-babi1/a", "rclc:qsnap:r4:tuned"),
     ("babi:1", "RCLC: overlap rows r4, 8 tuned vectors", "rclc-tuned200-babi1/b", "rclc:overlap:r4:tuned"),
     ("babi:1", "RCLC: chunkkv rows b16, zero-shot", "default-rclc", "rclc:chunkkv:b16"),
     ("babi:11", "nothing, 8 tuned vectors", "babi11-reference", "prompt_tuned"),
     ("babi:11", "text, 8 tuned vectors", "babi11-reference", "cold_read_tuned"),
     ("babi:11", "ILCP: one 32-float latent (default recipe)", "babi11-default", "ilcp"),
-    ("facts-heldout", "nothing, 8 tuned vectors", "facts1-reconstruct", "prompt_tuned"),
     ("facts-heldout", "text, 8 tuned vectors", "facts1-reconstruct", "cold_read_tuned"),
     ("facts-heldout", "ILCP: pooled 128-float latent", "facts1-reconstruct", "ilcp"),
     ("facts-heldout", "ILCP: token codec (configs/facts-codec.yaml)", "facts-codec-dot128", "ilcp"),
@@ -458,6 +456,63 @@ def draw_babilong(results_dir: Path) -> list[Path]:
     return [plot(results, results_dir / name) for name, plot, results in _babilong_figures(results_dir)]
 
 
+def _task_methods(results_dir: Path, folder: str, task: str) -> dict:
+    data = _load(results_dir / folder / "results.json") or {}
+    return ((data.get("tasks") or {}).get(task) or {}).get("methods") or {}
+
+
+def _ttft(metrics: dict) -> float | None:
+    return ((metrics.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
+
+
+def babilong_targets(results_dir: Path) -> list[str]:
+    """Where the long-context recipe stands against the four BABILong targets, each computed from
+    the results folders named in it (a target whose folders are missing is left out)."""
+    out = []
+    story = lambda task: _task_methods(results_dir, "babilong-story", task)  # noqa: E731
+    at_2k, tuned = story("babilong:1:2k"), _task_methods(results_dir, "babilong-default", "babilong:1:2k")
+    fp32 = _task_methods(results_dir, "latency-babilong-story-float32", "babilong:1:2k")
+    if {"ilcp", "cold_read"} <= set(at_2k) and "cold_read_tuned" in tuned:
+        ilcp, cold = at_2k["ilcp"], at_2k["cold_read"]
+        ratios = [f"{name} 1/{_ttft(m['cold_read']) / _ttft(m['ilcp']):.0f}" for name, m in
+                  (("bfloat16", at_2k), ("float32", fp32)) if {"ilcp", "cold_read"} <= set(m)
+                  and _ttft(m["ilcp"]) and _ttft(m["cold_read"])]
+        out.append(f"- 2k, ilcp at or above cold_read_tuned with at most 1/16 of the text's positions and 1/10 of "
+                   f"its time to first token: ilcp {_pct(ilcp['exact_match'])}% against cold_read_tuned "
+                   f"{_pct(tuned['cold_read_tuned']['exact_match'])}% (its vectors trained on the plain stories, "
+                   f"`babilong-default`), prefix 1/{cold['prefill_positions'] / ilcp['prefill_positions']:.0f} "
+                   f"of the text's positions, time to first token {', '.join(ratios)}.")
+    at_4k, at_05 = _task_methods(results_dir, "babilong-story-4k", "babilong:1:4k"), story("babilong:1:0.5k")
+    plain = _task_methods(results_dir, "babilong-default", "babilong:1:0")
+    if "ilcp" in at_4k and "ilcp" in at_05:
+        keep = at_4k["ilcp"]["exact_match"] / max(at_05["ilcp"]["exact_match"], 1e-9)
+        fall = (f"; the cold read falls from {_pct(plain['cold_read']['exact_match'])}% on the plain story to "
+                f"{_pct(at_4k['cold_read']['exact_match'])}% at 4k" if "cold_read" in plain and "cold_read" in at_4k
+                else "")
+        out.append(f"- 4k keeps at least 90% of 0.5k: ilcp keeps {100 * keep:.0f}% "
+                   f"({_pct(at_4k['ilcp']['exact_match'])}% on {at_4k['ilcp']['n']} questions against "
+                   f"{_pct(at_05['ilcp']['exact_match'])}% on {at_05['ilcp']['n']}){fall}.")
+    rclc = _task_methods(results_dir, "babilong-rclc-2k", "babilong:1:2k")
+    r8 = {m: v for m, v in rclc.items() if (match := _RCLC_ROW.match(m)) and match["budget"] == "r8"}
+    r1 = {m: v for m, v in rclc.items() if (match := _RCLC_ROW.match(m)) and match["budget"] == "r1"}
+    if r8 and r1:
+        best8 = max(r8, key=lambda m: (r8[m]["exact_match"], r8[m]["contains"]))
+        best1 = max(r1, key=lambda m: (r1[m]["exact_match"], r1[m]["contains"]))
+        out.append(f"- 2k, the best selector at r8 keeps 95% of r1: `{best8}` {_pct(r8[best8]['exact_match'])}% "
+                   f"exact ({_pct(r8[best8]['contains'])}% contains) against `{best1}` "
+                   f"{_pct(r1[best1]['exact_match'])}% ({_pct(r1[best1]['contains'])}% contains): at 0% exact match "
+                   "the ratio says nothing; on contains r8 keeps "
+                   f"{100 * r8[best8]['contains'] / max(r1[best1]['contains'], 1e-9):.0f}%.")
+    gaps = []
+    for task in ("babilong:2:2k", "babilong:3:2k"):
+        m = _task_methods(results_dir, "babilong-story-heldout", task)
+        if {"ilcp", "prompt_tuned"} <= set(m):
+            gaps.append(f"{task} {100 * (m['ilcp']['exact_match'] - m['prompt_tuned']['exact_match']):+.0f} points")
+    if gaps:
+        out.append(f"- held-out tasks, ilcp at least 10 points above prompt_tuned: {', '.join(gaps)}.")
+    return out
+
+
 def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
     """Every folder whose name starts with ``babilong``: those of `BABILONG_CURRENT` as one table of
     exact match per task and method over lengths, the receiver's cost at the longest length and
@@ -470,14 +525,60 @@ def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
         if folder.name.startswith(BABILONG_CURRENT):
             current += [(folder, d) for d in map(_load, _json_files(folder)) if d is not None and _is_eval(d)]
         else:
-            earlier.append(f"[{folder.name}]({link_prefix}{folder.name}/README.md) ({title(folder)})")
+            earlier.append(f"[{folder.name}]({link_prefix}{folder.name}/README.md)")
     out = _babilong_tables(current, link_prefix) + [""] + _rclc_grids(current, link_prefix) if current else []
+    targets = babilong_targets(results_dir)
+    if current and targets:
+        out += ["The targets (test split, SmolLM2-135M, this CPU), computed from the folders above:", ""] + targets + [""]
     figures = [f"![{name[:-4]}]({link_prefix}{name})" for name, _, _ in _babilong_figures(results_dir)]
     if current and figures:
         out += [" ".join(figures), ""]
     if earlier:
         out.append("Earlier recipes: " + "; ".join(earlier) + ".")
     return "\n".join(out).rstrip("\n")
+
+
+SERVED_FOLDER = "served-load"
+
+
+def served_block(results_dir: Path, link_prefix: str = "") -> str:
+    """The served receivers' load and fault figures of ``served-load/served_load.json``
+    (`benchmarks/served_load.py`): throughput and time to answer per handoff and number of agents,
+    the killed-server run and the refused payloads."""
+    data = _load(results_dir / SERVED_FOLDER / "served_load.json")
+    if data is None:
+        return "No served-receiver measurements yet."
+    record = data.get("provenance") or {}
+    agents = sorted({int(k.split("agents=")[1]) for k in data if "agents=" in k})
+    kinds = [k[:-len(" serial")] for k in data if k.endswith(" serial")]
+    out = [f"`{record.get('command', 'benchmarks/served_load.py')}` ({record.get('conditions', 'conditions not recorded')}; "
+           f"{record.get('machine', 'machine not recorded')}, {record.get('date', 'date not recorded')}, "
+           f"[{SERVED_FOLDER}]({link_prefix}{SERVED_FOLDER}/README.md)):", "",
+           "| handoff | requests | serial answers/s | "
+           + " | ".join(f"{n} agents: answers/s, p50 / p99 s, equal to serial" for n in agents) + " |",
+           "|---|---|---|" + "---|" * len(agents)]
+    for kind in kinds:
+        cells = []
+        for n in agents:
+            m = data.get(f"{kind} agents={n}") or {}
+            cells.append(f"{m.get('answers/s', 0):.1f}, {m.get('p50 s', 0):.1f} / {m.get('p99 s', 0):.1f}, "
+                         f"{m.get('equal to serial', '-')}")
+        serial = data[f"{kind} serial"]
+        out.append(f"| {kind} | {serial['requests']} | {serial['answers/s']:.1f} | " + " | ".join(cells) + " |")
+    fault = data.get("fault")
+    if fault:
+        out += ["", f"Server killed {fault['killed at s']:.0f} s into a 32-agent run and restarted "
+                    f"({fault['restart s']:.0f} s): of {fault['requests']:,} requests {fault['answered']:,} answered "
+                    f"({fault['answered equal to serial']:,} equal to serial) and {fault['ServerError']:,} raised "
+                    f"`ServerError`; other exceptions: {len(fault['other exceptions'])}; agents left waiting: "
+                    f"{fault['agents still waiting at the end']}; slowest request {fault['slowest request s']:.1f} s "
+                    f"(timeout {fault['timeout s']:.0f} s)."]
+    refusals = data.get("refusals")
+    if refusals:
+        refused = [k for k, v in refusals.items() if isinstance(v, str) and v.startswith("refused")]
+        out.append(f"Payloads refused before any request: {', '.join(refused)} "
+                   f"({refusals.get('requests that reached the server', '?')} requests reached the server).")
+    return "\n".join(out)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -507,6 +608,8 @@ def generated(root: Path) -> dict[Path, str]:
         text = readme.read_text(encoding="utf-8")
         text = replace_block(text, "results", glance_table(results_dir, prefix))
         text = replace_block(text, "babilong", babilong_block(results_dir, prefix))
+        if "<!-- served:begin -->" in text:
+            text = replace_block(text, "served", served_block(results_dir, prefix))
         out[readme] = text
     return out
 

@@ -110,3 +110,23 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
     assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]
     assert (results / "babilong_lengths.png").stat().st_size > 0
+
+
+def test_the_served_block_renders_the_load_benchmark(tmp_path):
+    folder = tmp_path / "served-load"
+    folder.mkdir()
+    data = {"provenance": {"command": "python benchmarks/served_load.py --start", "date": "2027-01-01"},
+            "ilcp serial": {"requests": 8, "answers/s": 2.0},
+            "ilcp agents=32": {"answers/s": 9.5, "p50 s": 1.25, "p99 s": 2.0, "equal to serial": "8/8", "failed": []},
+            "fault": {"requests": 40, "answered": 10, "answered equal to serial": 10, "ServerError": 30,
+                      "other exceptions": [], "agents still waiting at the end": 0, "slowest request s": 2.5,
+                      "timeout s": 30.0, "killed at s": 5.0, "restart s": 20.0},
+            "refusals": {"corrupt": "refused: CRC", "foreign model": "ANSWERED (not refused)",
+                         "requests that reached the server": 0}}
+    (folder / "served_load.json").write_text(json.dumps(data))
+    block = results_docs.served_block(tmp_path)
+    assert "`python benchmarks/served_load.py --start`" in block and "2027-01-01" in block
+    assert "| ilcp | 8 | 2.0 | 9.5, 1.2 / 2.0, 8/8 |" in block
+    assert "of 40 requests 10 answered (10 equal to serial) and 30 raised `ServerError`" in block
+    assert "refused before any request: corrupt (0 requests" in block  # the answered one is not listed
+    assert results_docs.served_block(tmp_path / "none") == "No served-receiver measurements yet."
