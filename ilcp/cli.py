@@ -44,6 +44,7 @@ EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload b
     ilcp-eval --ckpt checkpoints/default --methods default,rclc-quick   # + 3 RCLC rows, ~+7 min a task
     ilcp-eval --ckpt checkpoints/default --methods default,rclc   # + the 12 RCLC rows, ~+28 min a task
     ilcp-eval --ckpt checkpoints/default --methods cold_read,rclc:qsnap:b8,rclc:chunkkv:r8:tuned
+    ilcp-eval --ckpt checkpoints/default --only-tasks --tasks babilong:1:2k --methods rclc-budgets   # long contexts only
     .venv-vllm/bin/python eval.py --ckpt checkpoints/default --engine vllm --throughput-batches 1,8,32
 
 The run's training task (test split; config.json's task and task_settings) is always

@@ -311,32 +311,46 @@ def _ms(latency: dict | None, key: str, stat: str) -> str:
     return "-" if value is None else f"{1000 * value:,.0f}"
 
 
+def _task_order(name: str) -> tuple:
+    """BABILong tasks by bAbI task, then length; other names after them, by name."""
+    from .babilong import is_babilong_name, parse_babilong_name
+
+    if is_babilong_name(name):
+        task = parse_babilong_name(name)
+        return (0, task.number, task.length, name)
+    return (1, 0, 0, name)
+
+
 def _babilong_tables(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
-    """One table of exact match [95% CI] per task and method over the given eval results, for the
-    methods evaluated on two tasks or more (a task already listed from an earlier folder is not
-    repeated), then what each method cost the receiver at the longest context among them."""
-    tasks_of: dict[str, set] = {}
-    for _, d in evals:
-        for task, t in d["tasks"].items():
-            for m in t["methods"]:
-                tasks_of.setdefault(m, set()).add(task)
-    methods = [m for m, tasks in tasks_of.items() if len(tasks) > 1] or list(tasks_of)
-    out = ["| task | " + " | ".join(f"`{m}`" for m in methods) + " | data |", "|---|" + "---|" * (len(methods) + 1)]
-    seen, longest = set(), None
+    """One table of exact match [95% CI] per task and method over the given eval results (a task's
+    methods gathered from every folder, the first folder winning a method), for the methods
+    evaluated on two tasks or more, then what each cost the receiver at the longest context."""
+    merged = _over_lengths(evals)["tasks"]
+    methods = list(dict.fromkeys(m for t in merged.values() for m in t["methods"]))
+    methods.sort(key=lambda m: m.startswith(("rclc:", "kv_relay:")))  # the package's own rows first
+    sources: dict[str, list[str]] = {}  # the folders a task's cells come from (the first to hold a method)
+    claimed: set[tuple[str, str]] = set()
     for folder, data in evals:
         for task, t in data["tasks"].items():
-            tokens = (t.get("context_tokens") or {}).get("mean", 0)
-            if not any(m in t["methods"] for m in methods):
-                continue
-            if longest is None or tokens >= longest[0]:
-                longest = (tokens, task, t)
-            if task in seen:
-                continue
-            seen.add(task)
-            cells = [_pct(t["methods"][m]["exact_match"], t["methods"][m].get("exact_match_ci"))
-                     if m in t["methods"] else "-" for m in methods]
-            out.append(f"| {task} (n={t['n']}) | " + " | ".join(cells)
-                       + f" | [{folder.name}]({link_prefix}{folder.name}/README.md) |")
+            mine = {(task, m) for m in t["methods"] if m in methods} - claimed
+            claimed |= mine
+            if mine and folder.name not in sources.setdefault(task, []):
+                sources[task].append(folder.name)
+    out = ["| task | " + " | ".join(f"`{m}`" for m in methods) + " | data |", "|---|" + "---|" * (len(methods) + 1)]
+    longest = None
+    for task, t in sorted(merged.items(), key=lambda kv: _task_order(kv[0])):
+        if not t["methods"]:
+            continue
+        tokens = (t.get("context_tokens") or {}).get("mean", 0)
+        if longest is None or tokens >= longest[0]:
+            longest = (tokens, task, t)
+        ns = sorted({v["n"] for v in t["methods"].values()})
+        cells = [_pct(t["methods"][m]["exact_match"], t["methods"][m].get("exact_match_ci"))
+                 if m in t["methods"] else "-" for m in methods]
+        links = ", ".join(f"[{name}]({link_prefix}{name}/README.md)" for name in sources.get(task, []))
+        out.append(f"| {task} (n={'/'.join(map(str, ns))}) | " + " | ".join(cells) + f" | {links} |")
+    if longest is None:
+        return out
     tokens, task, t = longest
     out += ["", f"What each cost the receiver at {task}" + (f" ({tokens:,.0f} context tokens on average)" if tokens else "")
             + ":", "",
