@@ -385,7 +385,8 @@ def _rclc_grids(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
             columns = [(b, tuned) for tuned in (False, True) for b in budgets if any(k[1:] == (b, tuned) for k in rows)]
             selectors = list(dict.fromkeys(k[0] for k in rows))
             out += [f"RCLC rows at {task} (n={t['n']}, [{folder.name}]({link_prefix}{folder.name}/README.md)); "
-                    "exact match % [95% CI], r1 is every row (the cold read's prefix):", "",
+                    "exact match % [95% CI]" + (", r1 is every row (the cold read's prefix)" if "r1" in budgets else "")
+                    + ":", "",
                     "| selector | " + " | ".join(f"{b}{' :tuned' if tuned else ''}" for b, tuned in columns) + " |",
                     "|---|" + "---|" * len(columns)]
             for sel in selectors:
