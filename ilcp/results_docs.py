@@ -297,13 +297,17 @@ def glance_table(results_dir: Path, link_prefix: str = "") -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     for r in glance_rows(results_dir):
         m = r["metrics"]
-        ttft = ((m.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
+        ttft = _ttft(m)
         top = r["folder"].split("/")[0]
         out.append(f"| {_TASK_NOTES.get(r['task'], r['task'])} | {r['what']} | `{r['method']}` "
                    f"| {_pct(m['exact_match'], m.get('exact_match_ci'))} | {m['n']} | {_bytes(m.get('wire_bytes'))} "
                    f"| {m.get('prefill_positions', 0):.0f} | {'-' if ttft is None else f'{1000 * ttft:.0f}'} "
                    f"| [{top}]({link_prefix}{top}/README.md) |")
     return "\n".join(out)
+
+
+def _ttft(metrics: dict) -> float | None:
+    return ((metrics.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
 
 
 def _ms(latency: dict | None, key: str, stat: str) -> str:
@@ -397,7 +401,7 @@ def _rclc_grids(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
             def budget_cost(b, tuned):
                 ms = [m for k, m in rows.items() if k[1:] == (b, tuned)]
                 positions = sum(m.get("prefill_positions", 0) for m in ms) / len(ms)
-                ttft = [((m.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50") for m in ms]
+                ttft = [_ttft(m) for m in ms]
                 ttft = [x for x in ttft if x is not None]
                 return f"{positions:,.0f}" + (f" / {1000 * sum(ttft) / len(ttft):,.0f}" if ttft else "")
 
@@ -457,7 +461,7 @@ def _babilong_figures(results_dir: Path) -> list[tuple[str, Callable, dict]]:
     merged = _over_lengths(current)
     upto_2k = {"tasks": {k: t for k, t in _over_lengths(current, keep_single=True)["tasks"].items()
                          if is_babilong_name(k) and parse_babilong_name(k).length <= 2048}}
-    timed = any(((points[-1][2].get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
+    timed = any(_ttft(points[-1][2])
                 for methods in length_curves(upto_2k).values() for points in methods.values())
     figures = [(BABILONG_FIGURES[0], plot_accuracy_vs_length, merged)] if length_curves(merged) else []
     return figures + ([(BABILONG_FIGURES[1], plot_accuracy_vs_ttft, upto_2k)] if timed else [])
@@ -476,16 +480,11 @@ def _task_methods(results_dir: Path, folder: str, task: str) -> dict:
     return ((data.get("tasks") or {}).get(task) or {}).get("methods") or {}
 
 
-def _ttft(metrics: dict) -> float | None:
-    return ((metrics.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
-
-
 def babilong_targets(results_dir: Path) -> list[str]:
     """Where the long-context recipe stands against the four BABILong targets, each computed from
     the results folders named in it (a target whose folders are missing is left out)."""
     out = []
-    story = lambda task: _task_methods(results_dir, "babilong-story", task)  # noqa: E731
-    at_2k, tuned = story("babilong:1:2k"), _task_methods(results_dir, "babilong-default", "babilong:1:2k")
+    at_2k, tuned = (_task_methods(results_dir, folder, "babilong:1:2k") for folder in ("babilong-story", "babilong-default"))
     fp32 = _task_methods(results_dir, "latency-babilong-story-float32", "babilong:1:2k")
     if {"ilcp", "cold_read"} <= set(at_2k) and "cold_read_tuned" in tuned:
         ilcp, cold = at_2k["ilcp"], at_2k["cold_read"]
@@ -497,7 +496,8 @@ def babilong_targets(results_dir: Path) -> list[str]:
                    f"{_pct(tuned['cold_read_tuned']['exact_match'])}% (its vectors trained on the plain stories, "
                    f"`babilong-default`), prefix 1/{cold['prefill_positions'] / ilcp['prefill_positions']:.0f} "
                    f"of the text's positions, time to first token {', '.join(ratios)}.")
-    at_4k, at_05 = _task_methods(results_dir, "babilong-story-4k", "babilong:1:4k"), story("babilong:1:0.5k")
+    at_4k = _task_methods(results_dir, "babilong-story-4k", "babilong:1:4k")
+    at_05 = _task_methods(results_dir, "babilong-story", "babilong:1:0.5k")
     plain = _task_methods(results_dir, "babilong-default", "babilong:1:0")
     if "ilcp" in at_4k and "ilcp" in at_05:
         keep = at_4k["ilcp"]["exact_match"] / max(at_05["ilcp"]["exact_match"], 1e-9)
