@@ -70,8 +70,9 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
     assert "| batch | tok_s |" in generic and "| 1 | 313.5 |" in generic and "Command: not recorded." in generic
     top = (tmp_path / "README.md").read_text()
     assert "[babilong-story-4k](docs/results/babilong-story-4k/README.md)" in top
-    assert "| babilong:1:1k (n=10) | 30.0 [20.0, 40.0] |" in top  # exact match with its interval
-    assert "at babilong:1:1k" in top and "| `ilcp` | 163 | 40 | - / - | - | - |" in top  # the receiver's cost
+    assert "| method | babilong:1:0 (n=10) | babilong:1:1k (n=10) | wire bytes |" in top
+    # exact match with its interval on each task, then the receiver's cost at the longest context
+    assert "at babilong:1:1k" in top and "| `ilcp` | 30.0 [20.0, 40.0] | 30.0 [20.0, 40.0] | 163 | 40 | - / - | - | - |" in top
     assert "`ilcp`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
     assert (tmp_path / "docs" / "results" / "at_a_glance.png").is_file()
     assert main(["report", "--root", str(tmp_path), "--check"]) == 0
@@ -97,15 +98,25 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     rclc["tasks"] = {"babilong:1:2k": rclc["tasks"]["babilong:1:1k"]}
     (results / "babilong-rclc-2k").mkdir()
     (results / "babilong-rclc-2k" / "results.json").write_text(json.dumps(rclc))
+    reread = _eval_result({"rclc:reread:r4": (0.3, 1000), "rclc:reread:r8": (0.4, 1000), "rclc:overlap:r4": (0.9, 1000)})
+    reread["tasks"] = {"babilong:1:2k": reread["tasks"]["babilong:1:1k"]}
+    for metrics in reread["tasks"]["babilong:1:2k"]["methods"].values():
+        metrics["n"] = 4
+    (results / "babilong-rclc-2k-reread").mkdir()  # a second 2k folder: its rows join the same grid
+    (results / "babilong-rclc-2k-reread" / "results.json").write_text(json.dumps(reread))
     (results / "babilong-1k").mkdir()
     (results / "babilong-1k" / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.1, 163)})))
     block = results_docs.babilong_block(results)
-    length_table = block.split("\n\n")[0]
+    length_table = block.split("\n\n")[1]
     assert "`ilcp`" in length_table and "`cold_read`" in length_table and "rclc:" not in length_table
-    assert "RCLC rows at babilong:1:2k (n=10" in block
+    assert "RCLC rows at babilong:1:2k (n=4/10, [babilong-rclc-2k](babilong-rclc-2k/README.md), " \
+           "[babilong-rclc-2k-reread](babilong-rclc-2k-reread/README.md))" in block
+    assert block.count("RCLC rows at") == 1
     assert "| selector | r1 | r4 | r8 | r1 :tuned | r4 :tuned | r8 :tuned |" in block
-    assert "| `overlap` | " + " | ".join(["20.0 [10.0, 30.0]"] * 6) + " |" in block
-    assert "`kv_relay:cacheback:r8` 5.0 [0.0, 15.0]" in block
+    assert "| `overlap` | " + " | ".join(["20.0 [10.0, 30.0]"] * 6) + " |" in block  # the first folder's row wins
+    assert "| `reread` | - | 30.0 [20.0, 40.0] | 40.0 [30.0, 50.0] | - | - | - |" in block
+    assert "`rclc:reread:r8` 40.0% exact" in block  # the r8 target reads both 2k folders
+    assert "| `kv_relay:cacheback` (cache entries) | - | - | 5.0 [0.0, 15.0] | - | - | - |" in block
     assert "Earlier recipes: [babilong-1k]" in block
     assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
     assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]
