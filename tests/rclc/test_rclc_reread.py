@@ -1,12 +1,18 @@
 """The reread selector: a query-agnostic score from the sender reading its own context again."""
 
+import importlib
+
+import pytest
 import torch
 
 from ilcp import compat, rclc
 from ilcp.config import load_config
 from ilcp.evaluation.rclc_methods import parse_rclc_name
 from ilcp.rclc import hf, selectors
+from ilcp.rclc.selectors import base
 from ilcp.rclc.selectors.reread import REREAD_PROMPT
+
+reread_module = importlib.import_module("ilcp.rclc.selectors.reread")  # the package's `reread` is the instance
 
 STORY = "Mary went to the hallway. John moved to the garden. Sandra journeyed to the kitchen. Daniel is in the bedroom."
 
@@ -15,7 +21,20 @@ def _ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
-def test_the_score_is_the_attention_of_a_second_reading_from_scratch(model, tokenizer):
+@pytest.mark.parametrize("chunk_elements", [None, 1])
+def test_the_score_is_the_attention_of_a_second_reading_from_scratch(model, tokenizer, monkeypatch, chunk_elements):
+    """In one pass, and fed one row at a time (the bound on attention weights held at once: the
+    cache grows between chunks, the first chunks are the instruction's rows)."""
+    sizes = []  # rows per chunk
+
+    def counted(*args, **kwargs):
+        for start, layers in base.attention_to_sender_chunks(*args, **kwargs):
+            sizes.append(layers[0].shape[1])
+            yield start, layers
+
+    monkeypatch.setattr(reread_module, "attention_to_sender_chunks", counted)
+    if chunk_elements is not None:
+        monkeypatch.setattr(base, "ATTENTION_CHUNK_ELEMENTS", chunk_elements)
     sender = rclc.sender_from_hf(model, tokenizer, STORY)
     total = sender.positions
     profile = selectors.reread.profile(sender, None)
@@ -33,6 +52,8 @@ def test_the_score_is_the_attention_of_a_second_reading_from_scratch(model, toke
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-12)
         expected += w.amax(dim=1).mean(dim=0)
     torch.testing.assert_close(profile.tail, expected / len(attentions), atol=1e-5, rtol=1e-4)
+    rows = prompt.numel() + total
+    assert sizes == ([rows] if chunk_elements is None else [1] * rows)
     assert compat.cache_length(sender.past_key_values) == total  # the sender's cache is untouched
 
 

@@ -94,21 +94,42 @@ def attention_to_sender(sender, rows: torch.Tensor, keep: int, sink: int) -> lis
     cache cropped to its first ``keep`` positions. Per layer, the attention the rows pay the
     sender's T positions, float32 CPU [heads, n, T], with the first ``sink`` key positions zeroed
     and each query renormalised over the rest. The caller holds ``MODEL_LOCK``."""
+    return next(attention_to_sender_chunks(sender, rows, keep, sink, chunk_rows=max(1, int(rows.shape[0]))))[1]
+
+
+ATTENTION_CHUNK_ELEMENTS = 1 << 26  # attention weights one chunk of rows may hold, over all layers and heads
+
+
+def attention_to_sender_chunks(sender, rows: torch.Tensor, keep: int, sink: int, *, chunk_rows: int | None = None):
+    """`attention_to_sender` fed ``chunk_rows`` rows at a time: the private cache grows between
+    chunks, so every row attends to the same positions as in one forward, and only one chunk's
+    attention weights are held at once (a row count that keeps them near
+    ``ATTENTION_CHUNK_ELEMENTS`` when ``chunk_rows`` is None). Yields ``(start, layers)``: the
+    chunk's first row and its per-layer weights [heads, rows in chunk, T]. The caller holds
+    ``MODEL_LOCK`` while it iterates."""
     total = sender.positions
     model = sender.model
+    n = int(rows.shape[0])
+    if chunk_rows is None:
+        config = getattr(model, "config", None)
+        layers_heads = getattr(config, "num_hidden_layers", 1) * getattr(config, "num_attention_heads", 1)
+        chunk_rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, layers_heads * (keep + n)))
     cache = compat.clone_cache(sender.past_key_values)
     compat.crop_cache(cache, keep)
     with hf.eager_attention(model):
-        outputs = hf.forward_rows(model, rows, cache, output_attentions=True)
-    attentions = getattr(outputs, "attentions", None)
-    if not attentions:
-        raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
-    layers = []
-    for layer in attentions:
-        weights = layer[0, :, :, :total].float().cpu()
-        weights[..., :sink] = 0.0
-        layers.append(weights / weights.sum(-1, keepdim=True).clamp_min(1e-12))
-    return layers
+        for start in range(0, n, chunk_rows):
+            outputs = hf.forward_rows(model, rows[start:start + chunk_rows], cache, output_attentions=True)
+            cache = compat.output_cache(outputs)
+            attentions = getattr(outputs, "attentions", None)
+            if not attentions:
+                raise RuntimeError(f"{type(model).__name__} returned no attention weights with eager attention")
+            layers = []
+            for layer in attentions:
+                weights = layer[0, :, :, :total].float().cpu()
+                weights[..., :sink] = 0.0
+                layers.append(weights / weights.sum(-1, keepdim=True).clamp_min(1e-12))
+            del outputs, attentions
+            yield start, layers
 
 
 _REDUCE = {"max": torch.max, "sum": torch.sum, "mean": torch.mean}

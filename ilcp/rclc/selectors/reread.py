@@ -10,7 +10,7 @@ import torch
 from ilcp.checks import positive_int
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
-from ilcp.rclc.selectors.base import AttentionProfile, Selector, attention_to_sender, sink_window
+from ilcp.rclc.selectors.base import AttentionProfile, Selector, attention_to_sender_chunks, sink_window
 
 REREAD_PROMPT = "\n\nRepeat the text above word for word:\n"
 
@@ -54,9 +54,12 @@ class Reread(Selector):
                 ids = tokenizer(REREAD_PROMPT, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                 prompt = int(ids.numel())
                 rows = torch.cat([hf.embed_ids(model, ids).to(rows.dtype), rows], dim=0)
-            layers = attention_to_sender(sender, rows, total, sink)
-        score = torch.zeros(total)
-        for weights in layers:  # the repeated rows' attention [heads, T, T]
-            score += weights[:, prompt:].amax(dim=1).mean(dim=0)
-        score /= len(layers)
+            peaks = None  # [layers, heads, T]: the most attention any repeated row so far paid a position
+            for start, layers in attention_to_sender_chunks(sender, rows, total, sink):
+                skip = max(0, prompt - start)  # the instruction's rows are not scored
+                if skip >= layers[0].shape[1]:
+                    continue
+                chunk = torch.stack([weights[:, skip:].amax(dim=1) for weights in layers])
+                peaks = chunk if peaks is None else torch.maximum(peaks, chunk)
+        score = peaks.mean(dim=1).mean(dim=0) if peaks is not None else torch.zeros(total)
         return AttentionProfile(torch.zeros(total), score, sink)
