@@ -413,7 +413,7 @@ def _rclc_grids(evals: list[tuple[Path, dict]], link_prefix: str) -> list[str]:
                      if (sel, b, tuned) in every else "-" for b, tuned in columns]
             out.append(f"| `{sel}`{' (cache entries)' if sel.startswith('kv_relay:') else ''} | " + " | ".join(cells) + " |")
 
-        def budget_cost(b, tuned):
+        def budget_cost(b, tuned, rows=rows):
             ms = [m for k, m in rows.items() if k[1:] == (b, tuned)]
             if not ms:
                 return "-"

@@ -10,7 +10,12 @@ import torch
 from ilcp.checks import positive_int
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
-from ilcp.rclc.selectors.base import AttentionProfile, Selector, attention_to_sender_chunks, sink_window
+from ilcp.rclc.selectors.base import (
+    AttentionProfile,
+    Selector,
+    attention_to_sender_chunks,
+    sink_window,
+)
 
 REREAD_PROMPT = "\n\nRepeat the text above word for word:\n"
 
