@@ -56,17 +56,25 @@ MIN_GAP = 4     # tokens of slack at which the background walk stops
 LOOKAHEAD = 64  # sentences in a row that may not fit before the walk stops
 
 _SPLITS = tuple(SPLIT_FRACTIONS)
-_NAME = re.compile(r"babilong[:_-](?:qa)?(\d+)(?:[:_-](.*))?\Z", re.IGNORECASE | re.DOTALL)
+_NAME = re.compile(r"babilong[:_-]((?:qa)?\d+(?:\+(?:qa)?\d+)*)(?:[:_-](.*))?\Z", re.IGNORECASE | re.DOTALL)
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)(k?)\Z", re.IGNORECASE)
 
 
 class BabilongTask(NamedTuple):
     """A parsed task name: bAbI task ``number``, ``length`` in tokens, canonical ``name``
-    (``"babilong-qa1-2k"``, also the rows' ``task`` column)."""
+    (``"babilong-qa1-2k"``, also the rows' ``task`` column). A mix (``"babilong:1+8:0.5k"``,
+    canonical ``"babilong-qa1+qa8-0.5k"``) lists its tasks in ``numbers``, sorted, ``number``
+    being the first; a single task's ``numbers`` is ``(number,)``."""
 
     number: int
     length: int
     name: str
+    numbers: tuple[int, ...] = ()
+
+    @property
+    def parts(self) -> list[str]:
+        """The single-task names of a mix (``["babilong:1:0.5k", "babilong:8:0.5k"]``), or this task's."""
+        return [f"babilong:{n}:{length_label(self.length)}" for n in (self.numbers or (self.number,))]
 
 
 class BackgroundSentence(NamedTuple):
@@ -112,26 +120,32 @@ def length_label(tokens: int) -> str:
 
 
 def parse_babilong_name(name: str) -> BabilongTask:
-    """``"babilong:<task>:<length>"`` (also ``babilong:qa1:2k``) as a `BabilongTask`; ValueError
-    naming what is wrong. Does not look for the bAbI file (`load_babilong` does)."""
+    """``"babilong:<task>:<length>"`` (also ``babilong:qa1:2k``, or a mix ``babilong:1+8:0.5k``)
+    as a `BabilongTask`; ValueError naming what is wrong. Does not look for the bAbI file
+    (`load_babilong` does)."""
     if not isinstance(name, str):
         raise ValueError(f"a BABILong task name is a string, got {name!r}")
     match = _NAME.match(name.strip())
     if match is None:
         raise ValueError(f"unknown BABILong task {name!r}: use 'babilong:<task>:<length>', e.g. "
                          f"'babilong:1:2k' (lengths: {', '.join(NAMED_LENGTHS)} or a number of tokens)")
-    number, length = int(match.group(1)), match.group(2)
-    if number < 1:
+    numbers = [int(part.lower().removeprefix("qa")) for part in match.group(1).split("+")]
+    length, tasks = match.group(2), match.group(1)
+    if min(numbers) < 1:
         raise ValueError(f"BABILong task {name!r}: the bAbI task number must be >= 1")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"BABILong task {name!r}: a bAbI task is listed twice")
     if not length:
-        raise ValueError(f"BABILong task {name!r} needs a length: 'babilong:{number}:<length>', e.g. "
-                         f"'babilong:{number}:2k' (lengths: {', '.join(NAMED_LENGTHS)} or a number of "
+        raise ValueError(f"BABILong task {name!r} needs a length: 'babilong:{tasks}:<length>', e.g. "
+                         f"'babilong:{tasks}:2k' (lengths: {', '.join(NAMED_LENGTHS)} or a number of "
                          "tokens)")
     try:
         tokens = parse_length(length)
     except ValueError as e:
         raise ValueError(f"BABILong task {name!r}: {e}") from None
-    return BabilongTask(number, tokens, f"babilong-qa{number}-{length_label(tokens)}")
+    numbers = sorted(numbers)
+    canonical = "babilong-" + "+".join(f"qa{n}" for n in numbers) + f"-{length_label(tokens)}"
+    return BabilongTask(numbers[0], tokens, canonical, tuple(numbers))
 
 
 # ----------------------------------------------------------------------------------- background

@@ -47,8 +47,9 @@ class LMConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("babi:1", "training task: 'babi:N', 'facts' or 'babilong:N:LENGTH' (bAbI task N spread through "
-                             "background prose to LENGTH tokens of the LM: 0, 0.5k, 1k, 2k, 4k or a number)")
+    task: str = _f("babi:1", "training task: 'babi:N' (or a mix 'babi:1+2'), 'facts' or 'babilong:N:LENGTH' (bAbI "
+                             "task N spread through background prose to LENGTH tokens of the LM: 0, 0.5k, 1k, 2k, 4k or "
+                             "a number; a mix 'babilong:1+8:0.5k')")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
     val_size: int = _f(256, "validation rows for the teacher-forced loss")

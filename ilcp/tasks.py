@@ -759,6 +759,14 @@ def load_babilong(name: str, split: str, *, tokenizer=None, variant: str = "en",
     if task.length > 0 and tokenizer is None:
         raise ValueError(f"BABILong task {name!r} counts its length in the LM's tokens: pass "
                          "tokenizer= (the LM's tokenizer)")
+    if len(task.numbers) > 1:
+        order, counts = _babilong_mix_plan(task, name, split, variant=variant, data_dir=data_dir, limit=limit,
+                                           validation_fraction=validation_fraction, seed=seed)
+        groups = [load_babilong(part, split, tokenizer=tokenizer, variant=variant, data_dir=data_dir, limit=count,
+                                validation_fraction=validation_fraction, seed=seed,
+                                background_dir=background_dir).to_list()
+                  for part, count in zip(task.parts, counts)]
+        return _to_dataset([groups[g][i] for g, i in order])
     _babi(task, name, split, variant, data_dir)
     rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
                      validation_fraction=validation_fraction, seed=seed).to_list()
@@ -780,10 +788,34 @@ def babilong_stories(name: str, split: str, *, variant: str = "en",
     With `ilcp.babilong.story_token_mask` it says which context tokens are the story's: a
     training signal only (the sender is never told)."""
     task = parse_babilong_name(name)
+    if len(task.numbers) > 1:
+        order, counts = _babilong_mix_plan(task, name, split, variant=variant, data_dir=data_dir, limit=limit,
+                                           validation_fraction=validation_fraction, seed=seed)
+        groups = [babilong_stories(part, split, variant=variant, data_dir=data_dir, limit=count,
+                                   validation_fraction=validation_fraction, seed=seed)
+                  for part, count in zip(task.parts, counts)]
+        return [groups[g][i] for g, i in order]
     _babi(task, name, split, variant, data_dir)
     rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
                      validation_fraction=validation_fraction, seed=seed)
     return [story_sentences(context) for context in rows["context"]]
+
+
+def _babilong_mix_plan(task: BabilongTask, name: str, split: str, *, limit: int | None, **babi_kwargs):
+    """Where the rows of a BABILong mix come from, as `load_babi_mix` orders a bAbI mix: ``order``,
+    the (task index, row index) of each row in turn, and ``counts``, how many of each task's first
+    rows that takes (so only those contexts are built)."""
+    _check_limit(limit)
+    sizes = []
+    for number in task.numbers:
+        _babi(task._replace(number=number), name, split, babi_kwargs["variant"], babi_kwargs["data_dir"])
+        sizes.append(len(load_babi(number, split, **babi_kwargs)))
+    order = _interleave([[(g, i) for i in range(size)] for g, size in enumerate(sizes)])
+    order = order if limit is None else order[:limit]
+    counts = [0] * len(sizes)
+    for g, i in order:
+        counts[g] = max(counts[g], i + 1)
+    return order, counts
 
 
 def babilong_config_key(name: str, split: str, *, tokenizer=None, variant: str = "en",
@@ -798,6 +830,11 @@ def babilong_config_key(name: str, split: str, *, tokenizer=None, variant: str =
     if task.length > 0 and tokenizer is None:
         raise ValueError(f"BABILong task {name!r} counts its length in the LM's tokens: pass "
                          "tokenizer= (the LM's tokenizer)")
+    if len(task.numbers) > 1:  # each task's own key (every row of it), then the mix's limit
+        return {"task": task.name, "limit": limit,
+                "parts": [babilong_config_key(part, split, tokenizer=tokenizer, variant=variant, data_dir=data_dir,
+                                              validation_fraction=validation_fraction, seed=seed,
+                                              background_dir=background_dir) for part in task.parts]}
     source, sha256 = _source_key(_babi(task, name, split, variant, data_dir))
     key = {"task": task.name, "split": split, "length_tokens": task.length, "variant": variant,
            "limit": limit, "validation_fraction": validation_fraction, "seed": seed,
@@ -822,7 +859,7 @@ def _builder(name):
         return "facts", make_facts, None
     elif is_babilong_name(name):
         task = parse_babilong_name(name)
-        return task.name, load_babilong, (task.number,)
+        return task.name, load_babilong, task.numbers
     elif isinstance(name, str) and _BABI_NAME.match(name.strip()):
         numbers = babi_task_numbers(name.strip())
     else:

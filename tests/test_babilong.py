@@ -56,8 +56,8 @@ def test_lengths(text, tokens):
 
 
 def test_names():
-    assert parse_babilong_name("babilong:1:2k") == (1, 2048, "babilong-qa1-2k")
-    assert parse_babilong_name("babilong:qa3:0.5k") == (3, 512, "babilong-qa3-0.5k")
+    assert parse_babilong_name("babilong:1:2k") == (1, 2048, "babilong-qa1-2k", (1,))
+    assert parse_babilong_name("babilong:qa3:0.5k") == (3, 512, "babilong-qa3-0.5k", (3,))
     assert parse_babilong_name("babilong:2:1500").name == "babilong-qa2-1500"
     assert parse_babilong_name("babilong:1:0").name == "babilong-qa1-0"
 
@@ -410,3 +410,72 @@ def test_a_run_learns_where_the_story_is(tmp_path, tiny_lm):
     masks = [story_token_mask(r["context"], s, tiny_lm.tokenizer) for r, s in zip(rows, stories)]
     share = sum(sum(m) / len(m) for m in masks) / len(masks)
     assert mass > 4 * share, (share, mass)
+
+
+# ----------------------------------------------------------------------------------------- mixes
+
+def test_a_mix_names_its_tasks_sorted():
+    task = parse_babilong_name("babilong:8+qa1:0.5k")
+    assert task == (1, 512, "babilong-qa1+qa8-0.5k", (1, 8))
+    assert task.parts == ["babilong:1:0.5k", "babilong:8:0.5k"]
+    assert parse_babilong_name("babilong:2:1k").numbers == (2,) and parse_babilong_name("babilong:2:1k").parts == ["babilong:2:1k"]
+    with pytest.raises(ValueError, match="listed twice"):
+        parse_babilong_name("babilong:1+1:1k")
+    with pytest.raises(ValueError, match="needs a length: 'babilong:1\\+8:<length>'"):
+        parse_babilong_name("babilong:1+8")
+
+
+def test_a_mix_interleaves_each_tasks_own_rows(tokenizer):
+    from ilcp.babilong import story_token_mask
+    from ilcp.tasks import babilong_stories
+
+    kwargs = {"tokenizer": tokenizer, "variant": "en"}
+    mix = load_task("babilong:1+8:0.5k", "train", limit=6, **kwargs)
+    ones = load_task("babilong:1:0.5k", "train", limit=3, **kwargs)
+    eights = load_task("babilong:8:0.5k", "train", limit=3, **kwargs)
+    # the tasks alternate in proportion to their sizes; each row is its own task's row, unchanged
+    by_id = {r["id"]: r for r in [*ones, *eights]}
+    assert sorted(mix["id"]) == sorted(by_id) and [r["task"] for r in mix][:2] == ["babilong-qa1-0.5k", "babilong-qa8-0.5k"]
+    assert all(by_id[r["id"]] == r for r in mix)
+    assert load_task("babilong:1+8:0.5k", "train", limit=4, **kwargs)["id"] == mix["id"][:4]
+    # the stories line up with the rows, so story attention's mask marks each row's own story
+    stories = babilong_stories("babilong:1+8:0.5k", "train", limit=6, variant="en")
+    for row, story in zip(mix, stories):
+        story_positions(row["context"], story)
+        assert 0 < sum(story_token_mask(row["context"], story, tokenizer)) < n_tokens(tokenizer, row["context"])
+
+
+def test_a_mix_key_lists_its_tasks_and_eval_reads_them_one_by_one(tokenizer):
+    from ilcp.config import load_config
+    from ilcp.evaluation.run import _training_tasks, parse_task
+
+    key = task_config_key("babilong:1+8:0.5k", "train", tokenizer=tokenizer, variant="en", limit=6)
+    assert key["task"] == "babilong-qa1+qa8-0.5k" and key["limit"] == 6
+    assert [p["task"] for p in key["parts"]] == ["babilong-qa1-0.5k", "babilong-qa8-0.5k"]
+    assert key["parts"][1]["source"] == "qa8_lists-sets_train.txt"
+    assert task_config_key("babilong:1+7:0.5k", "train", tokenizer=tokenizer, variant="en", limit=6) != key
+    assert load_config(None, ["data.task=babilong:1+8:0.5k"]).data.task == "babilong:1+8:0.5k"
+    assert [s.name for s in _training_tasks("babilong:1+8:0.5k")] == ["babilong:1:0.5k", "babilong:8:0.5k"]
+    with pytest.raises(ValueError, match="one by one"):
+        parse_task("babilong:1+8:2k")
+    with pytest.raises(ValueError, match="qa99|99"):
+        load_task("babilong:1+99:0.5k", "train", tokenizer=tokenizer, variant="en")
+
+
+def test_a_run_trains_on_a_mix_with_story_attention_and_eval_reads_each_task(tmp_path, tiny_lm):
+    from ilcp.config import load_config
+    from ilcp.evaluation.run import evaluate
+    from ilcp.training import train
+
+    tiny = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
+                             "data.task=babilong:1+8:0.5k", "data.babi_variant=en", "handoff.variants=[ilcp]",
+                             "handoff.max_steps=1", "handoff.val_every_steps=1", "compressor.epochs=2",
+                             "compressor.story_attention_weight=1"])
+    result = train(cfg, lm=tiny_lm)
+    assert result.metrics["train_rows"] == cfg.data.train_size
+    assert 0.0 <= result.metrics["compressor"]["val/story_mass"] <= 1.0
+    results = evaluate(result.run_dir, lm=tiny_lm, tasks=["babilong:2:0.5k"], methods=["no_context"], limit=2,
+                       latency_n=0, lengths=[], facts_counts=[])
+    assert list(results["tasks"]) == ["babilong:1:0.5k", "babilong:8:0.5k", "babilong:2:0.5k"]
+    assert [t["seen_in_training"] for t in results["tasks"].values()] == [True, True, False]

@@ -110,6 +110,8 @@ def parse_task(name: str) -> TaskSpec:
         return TaskSpec("facts-heldout", value_split="heldout")
     if is_babilong_name(text):
         task = parse_babilong_name(text)  # its ValueError names the task
+        if len(task.numbers) > 1:
+            raise ValueError(f"task {name!r} is a mix: evaluate its tasks one by one ({','.join(task.parts)})")
         try:
             babi_file(task.number, "test", variant="en")
         except (FileNotFoundError, ValueError) as e:
@@ -370,7 +372,10 @@ def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
 
 
 def _training_tasks(train_task: str) -> list[TaskSpec]:
-    """The tasks a run trained on: its one task, or each task of a bAbI mix ("babi:1+2+3")."""
+    """The tasks a run trained on: its one task, or each task of a bAbI or BABILong mix
+    ("babi:1+2+3", "babilong:1+8:0.5k")."""
+    if is_babilong_name(train_task):
+        return [parse_task(part) for part in parse_babilong_name(train_task).parts]
     if train_task.startswith("babi") and "+" in train_task:
         return [parse_task(f"babi:{n}") for n in babi_task_numbers(train_task)]
     return [parse_task(train_task)]
