@@ -117,10 +117,23 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "| `reread` | - | 30.0 [20.0, 40.0] | 40.0 [30.0, 50.0] | - | - | - |" in block
     assert "`rclc:reread:r8` 40.0% exact" in block  # the r8 target reads both 2k folders
     assert "| `kv_relay:cacheback` (cache entries) | - | - | 5.0 [0.0, 15.0] | - | - | - |" in block
-    assert "Earlier recipes: [babilong-1k]" in block
+    assert "Other recipes: [babilong-1k]" in block
     assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
     assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]
     assert (results / "babilong_lengths.png").stat().st_size > 0
+
+
+def test_the_held_out_target_reads_each_recipes_folder(tmp_path):
+    for folder, (ilcp, tuned) in (("babilong-story-heldout", (0.3, 0.3)), ("babilong-mix", (0.45, 0.2))):
+        result = _eval_result({"ilcp": (ilcp, 163), "prompt_tuned": (tuned, 0)})
+        methods = result["tasks"]["babilong:1:1k"]
+        result["tasks"] = {"babilong:2:2k": methods, "babilong:3:2k": methods}
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps(result))
+    assert results_docs.babilong_targets(tmp_path) == [
+        "- held-out tasks, ilcp at least 10 points above prompt_tuned: trained on task 1 (`babilong-story-heldout`): "
+        "babilong:2:2k +0 points, babilong:3:2k +0 points; trained on tasks 1, 7 and 8 (`babilong-mix`): "
+        "babilong:2:2k +25 points, babilong:3:2k +25 points."]
 
 
 def test_the_served_block_renders_the_load_benchmark(tmp_path):
