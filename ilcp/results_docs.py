@@ -35,6 +35,7 @@ __all__ = ["RESULTS_DIR", "NOTES", "generated", "stale", "write", "draw_at_a_gla
 RESULTS_DIR = Path("docs") / "results"
 NOTES = "notes.md"
 INDEX = "README.md"
+BABILONG_DOC = "babilong.md"  # every current BABILong measurement on one page, the RCLC grids included
 FIGURE = "at_a_glance.png"
 BABILONG_PREFIX = "babilong"
 BABILONG_CURRENT = ("babilong-story", "babilong-rclc", "babilong-cold-read-tuned")  # folders shown in full in the README
@@ -264,7 +265,8 @@ def index(results_dir: Path) -> str:
     """docs/results/README.md: one line per experiment folder."""
     out = ["# Measurements", "", _GENERATED.replace("of this folder", "of the folders below"), "",
            "One folder per experiment: its README.md says how it was made (commands in order, commit, "
-           "versions, machine) and shows its tables and plots, generated from its JSON files.", "",
+           "versions, machine) and shows its tables and plots, generated from its JSON files. "
+           f"[{BABILONG_DOC}]({BABILONG_DOC}) gathers the long-context (BABILong) folders on one page.", "",
            "| folder | what | date |", "|---|---|---|"]
     for folder in experiment_folders(results_dir):
         out.append(f"| [{folder.name}]({folder.name}/README.md) | {title(folder)} | {_first_date(folder)} |")
@@ -552,10 +554,11 @@ def babilong_targets(results_dir: Path) -> list[str]:
     return out
 
 
-def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
+def babilong_block(results_dir: Path, link_prefix: str = "", *, grids: bool = True) -> str:
     """Every folder whose name starts with ``babilong``: those of `BABILONG_CURRENT` as one table of
-    exact match per task and method over lengths, the receiver's cost at the longest length and
-    a grid of RCLC rows by selector and budget; the others one line each."""
+    exact match per task and method over lengths with the receiver's cost at the longest length,
+    the grids of RCLC rows by selector and budget (without ``grids``: a link to `BABILONG_DOC`,
+    which holds them), the targets and the figures; the other folders one line each."""
     folders = [f for f in experiment_folders(results_dir) if f.name.startswith(BABILONG_PREFIX)]
     if not folders:
         return "No BABILong measurements yet."
@@ -565,7 +568,15 @@ def babilong_block(results_dir: Path, link_prefix: str = "") -> str:
             current += [(folder, d) for d in map(_load, _json_files(folder)) if d is not None and _is_eval(d)]
         else:
             earlier.append(f"[{folder.name}]({link_prefix}{folder.name}/README.md)")
-    out = _babilong_tables(current, link_prefix) + [""] + _rclc_grids(current, link_prefix) if current else []
+    out = []
+    if current:
+        rclc = _rclc_grids(current, link_prefix)
+        out = _babilong_tables(current, link_prefix) + [""]
+        if grids:
+            out += rclc
+        elif rclc:
+            out += [f"RCLC rows by selector and budget (every selector at r4, r8 and r16, zero-shot and tuned, r1, "
+                    f"kv_relay): [{BABILONG_DOC}]({link_prefix}{BABILONG_DOC}).", ""]
     targets = babilong_targets(results_dir)
     if current and targets:
         out += ["The targets (test split, SmolLM2-135M, this CPU), computed from the folders above:", ""] + targets + [""]
@@ -641,12 +652,15 @@ def generated(root: Path) -> dict[Path, str]:
         out[folder / "README.md"] = folder_readme(folder)
         out.update(companion_files(folder))
     out[results_dir / INDEX] = index(results_dir)
+    out[results_dir / BABILONG_DOC] = ("# Long contexts (BABILong): every current measurement\n\n"
+                                       + _GENERATED.replace("of this folder", "of the folders linked below")
+                                       + "\n\n" + babilong_block(results_dir) + "\n")
     readme = root / "README.md"
     if readme.is_file():
         prefix = RESULTS_DIR.as_posix() + "/"
         text = readme.read_text(encoding="utf-8")
         text = replace_block(text, "results", glance_table(results_dir, prefix))
-        text = replace_block(text, "babilong", babilong_block(results_dir, prefix))
+        text = replace_block(text, "babilong", babilong_block(results_dir, prefix, grids=False))
         if "<!-- served:begin -->" in text:
             text = replace_block(text, "served", served_block(results_dir, prefix))
         out[readme] = text

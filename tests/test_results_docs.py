@@ -118,6 +118,9 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "`rclc:reread:r8` 40.0% exact" in block  # the r8 target reads both 2k folders
     assert "| `kv_relay:cacheback` (cache entries) | - | - | 5.0 [0.0, 15.0] | - | - | - |" in block
     assert "Other recipes: [babilong-1k]" in block
+    short = results_docs.babilong_block(results, "docs/results/", grids=False)  # the README's: a link, not the grid
+    assert "RCLC rows at" not in short and "[babilong.md](docs/results/babilong.md)" in short
+    assert short.split("\n\n")[:2] == block.replace("](", "](docs/results/").split("\n\n")[:2]
     assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
     assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]
     assert (results / "babilong_lengths.png").stat().st_size > 0
