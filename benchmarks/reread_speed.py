@@ -22,6 +22,7 @@ import torch
 
 from ilcp.io import atomic_write_json
 from ilcp.lm import load_lm
+from ilcp.provenance import provenance
 from ilcp.rclc import sender_from_hf
 from ilcp.rclc.selectors import base, reread
 from ilcp.rclc_prompts import receiver_framing
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                         "max_score_difference": diff})
         print(f"| {i} | {sender.positions:,} | {whole_s:.1f} | {chunked_s:.1f} | {diff:.1e} |")
     if args.json:
-        atomic_write_json(Path(args.json), {"task": args.task, "threads": torch.get_num_threads(),
+        atomic_write_json(Path(args.json), {"provenance": provenance(), "task": args.task,
+                                            "threads": torch.get_num_threads(),
                                             "chunk_elements": args.chunk_elements, "rows": results})
     return 0
 
