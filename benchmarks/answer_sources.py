@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             and (is_babilong_name(r["task"]) or r["id"].startswith("babi-qa"))]
     if not rows:
         parser.error("no bAbI or BABILong rows" + (f" of {sorted(wanted)}" if wanted else "") + f" in {path}")
-    table = summarise(rows, args.against)
+    try:
+        table = summarise(rows, args.against)
+    except (ValueError, KeyError) as e:  # a row id that names no bAbI row, or a bAbI file without it
+        parser.error(f"{path}: {e}")
     keys = ["gold", "story location", "some person's last location", "one word", f"same as {args.against}"]
     print("| task | method | n | " + " | ".join(f"{k} %" for k in keys) + " |")
     print("|---|---|---|" + "---|" * len(keys))

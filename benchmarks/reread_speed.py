@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_lm()
     framing = receiver_framing(lm.tokenizer)
-    rows = load_task(args.task, "validation", limit=args.n, tokenizer=lm.tokenizer).to_list()
+    try:
+        rows = load_task(args.task, "validation", limit=args.n, tokenizer=lm.tokenizer).to_list()
+    except ValueError as e:
+        parser.error(str(e))
     results = []
     print(f"reread attention pass, {args.task}, {torch.get_num_threads()} threads "
           f"(chunk bound {args.chunk_elements:,} weights)")

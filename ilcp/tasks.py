@@ -760,13 +760,11 @@ def load_babilong(name: str, split: str, *, tokenizer=None, variant: str = "en",
         raise ValueError(f"BABILong task {name!r} counts its length in the LM's tokens: pass "
                          "tokenizer= (the LM's tokenizer)")
     if len(task.numbers) > 1:
-        order, counts = _babilong_mix_plan(task, name, split, variant=variant, data_dir=data_dir, limit=limit,
-                                           validation_fraction=validation_fraction, seed=seed)
-        groups = [load_babilong(part, split, tokenizer=tokenizer, variant=variant, data_dir=data_dir, limit=count,
-                                validation_fraction=validation_fraction, seed=seed,
-                                background_dir=background_dir).to_list()
-                  for part, count in zip(task.parts, counts)]
-        return _to_dataset([groups[g][i] for g, i in order])
+        return _to_dataset(_babilong_mix(
+            task, name, split, lambda part, count: load_babilong(
+                part, split, tokenizer=tokenizer, variant=variant, data_dir=data_dir, limit=count,
+                validation_fraction=validation_fraction, seed=seed, background_dir=background_dir).to_list(),
+            variant=variant, data_dir=data_dir, limit=limit, validation_fraction=validation_fraction, seed=seed))
     _babi(task, name, split, variant, data_dir)
     rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
                      validation_fraction=validation_fraction, seed=seed).to_list()
@@ -789,22 +787,21 @@ def babilong_stories(name: str, split: str, *, variant: str = "en",
     training signal only (the sender is never told)."""
     task = parse_babilong_name(name)
     if len(task.numbers) > 1:
-        order, counts = _babilong_mix_plan(task, name, split, variant=variant, data_dir=data_dir, limit=limit,
-                                           validation_fraction=validation_fraction, seed=seed)
-        groups = [babilong_stories(part, split, variant=variant, data_dir=data_dir, limit=count,
-                                   validation_fraction=validation_fraction, seed=seed)
-                  for part, count in zip(task.parts, counts)]
-        return [groups[g][i] for g, i in order]
+        return _babilong_mix(
+            task, name, split, lambda part, count: babilong_stories(
+                part, split, variant=variant, data_dir=data_dir, limit=count,
+                validation_fraction=validation_fraction, seed=seed),
+            variant=variant, data_dir=data_dir, limit=limit, validation_fraction=validation_fraction, seed=seed)
     _babi(task, name, split, variant, data_dir)
     rows = load_babi(task.number, split, variant=variant, data_dir=data_dir, limit=limit,
                      validation_fraction=validation_fraction, seed=seed)
     return [story_sentences(context) for context in rows["context"]]
 
 
-def _babilong_mix_plan(task: BabilongTask, name: str, split: str, *, limit: int | None, **babi_kwargs):
-    """Where the rows of a BABILong mix come from, as `load_babi_mix` orders a bAbI mix: ``order``,
-    the (task index, row index) of each row in turn, and ``counts``, how many of each task's first
-    rows that takes (so only those contexts are built)."""
+def _babilong_mix(task: BabilongTask, name: str, split: str, build, *, limit: int | None, **babi_kwargs) -> list:
+    """The items of a BABILong mix in the order `load_babi_mix` gives a bAbI mix: ``build(part,
+    count)`` gives a task's first ``count`` items (rows or stories), and only as many of each
+    task's as ``limit`` keeps are built."""
     _check_limit(limit)
     sizes = []
     for number in task.numbers:
@@ -815,7 +812,8 @@ def _babilong_mix_plan(task: BabilongTask, name: str, split: str, *, limit: int 
     counts = [0] * len(sizes)
     for g, i in order:
         counts[g] = max(counts[g], i + 1)
-    return order, counts
+    groups = [build(part, count) for part, count in zip(task.parts, counts)]
+    return [groups[g][i] for g, i in order]
 
 
 def babilong_config_key(name: str, split: str, *, tokenizer=None, variant: str = "en",

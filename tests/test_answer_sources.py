@@ -1,27 +1,14 @@
 """benchmarks/answer_sources.py: what each answer is against its bAbI story, read back from the
 row ids eval writes (plain bAbI and BABILong rows)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 from ilcp.tasks import load_babi
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("answer_sources", REPO / "benchmarks" / "answer_sources.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sources = _load()
+sources = load_benchmark("answer_sources")
 
 
 def test_an_answer_is_classed_against_its_story():
@@ -59,3 +46,8 @@ def test_a_missing_file_or_a_foreign_row_id_is_refused(tmp_path):
         sources.main([str(tmp_path / "missing.jsonl")])
     with pytest.raises(ValueError, match="not a row of"):
         sources.story_of("babilong-qa1-2k-test-s0-q0", "babilong:2:2k", {})
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({"task": "babilong:2:2k", "id": "babilong-qa1-2k-test-s0-q0", "method": "ilcp",
+                                   "answer": "x", "prediction": "x"}) + "\n")
+    with pytest.raises(SystemExit):  # a usage error, not a traceback
+        sources.main([str(foreign)])

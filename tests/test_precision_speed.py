@@ -1,26 +1,15 @@
 """benchmarks/precision_speed.py: every row is timed in float32 and in bf16 autocast, and the
 printed table and the JSON agree (behaviour only: no speed is asserted)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
-REPO = Path(__file__).resolve().parent.parent
 ROWS = ["train_step", "prefill_512", "prefill_2048", "decode"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("precision_speed", REPO / "benchmarks" / "precision_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-speed = _load()
+speed = load_benchmark("precision_speed")
 
 
 def _table_rows(printed: str) -> dict[str, list[str]]:

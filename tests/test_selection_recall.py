@@ -2,28 +2,15 @@
 the recall counts what each selector keeps (everything at r1, nothing of it at one row)."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 from ilcp import rclc
 from ilcp.rclc.selectors.sentences import Sentences
 from ilcp.tasks import make_facts
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("selection_recall", REPO / "benchmarks" / "selection_recall.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-recall = _load()
+recall = load_benchmark("selection_recall")
 
 
 def _gold(lm, context, question, answer, task):
