@@ -812,7 +812,7 @@ def _babilong_mix(task: BabilongTask, name: str, split: str, build, *, limit: in
     counts = [0] * len(sizes)
     for g, i in order:
         counts[g] = max(counts[g], i + 1)
-    groups = [build(part, count) for part, count in zip(task.parts, counts)]
+    groups = [build(part, count) for part, count in zip(task.parts, counts, strict=True)]
     return [groups[g][i] for g, i in order]
 
 
