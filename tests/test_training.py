@@ -312,16 +312,16 @@ def test_stage_one_scores_nothing_rather_than_nan_when_no_answer_is_known(tiny_l
     assert float(module._losses(batch)["answer_ce"].detach()) > 0
 
 
-def test_baselines_alone_do_not_extract_token_states(tmp_path, tiny_lm):
+def test_baselines_alone_extract_no_sender_states(tmp_path, tiny_lm):
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "handoff.variants=[prompt_tuned]", "handoff.finetune_encoder=false",
+                             "handoff.variants=[prompt_tuned,cold_read_tuned]", "handoff.finetune_encoder=false",
                              "compressor.answer_head_weight=0"])
-    train(cfg, lm=tiny_lm)
-    from safetensors import safe_open
-
-    for f in (tmp_path / "cache" / "pooled").glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as g:
-            assert '"pool": "mean"' in g.metadata()["key"]
+    result = train(cfg, lm=tiny_lm)
+    assert not list((tmp_path / "cache").glob("pooled/*"))
+    assert set(result.sources) == {"prompt_tuned", "cold_read_tuned"}
+    assert "compressor" not in result.metrics["stage_seconds"]
+    export = read_export(cfg.run_dir)
+    assert export.encoder is None and set(export.soft_prompts) == {"prompt_tuned", "cold_read_tuned"}
 
 
 def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):

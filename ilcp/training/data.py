@@ -52,11 +52,13 @@ def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None):
 
 
 class HandoffRows(Dataset):
-    """Rows {context, question, answer} with their sender states: pooled (N, D), or the token
-    states of each context (`TokenStates`) for an attention pooler."""
+    """Rows {context, question, answer} with their sender states: pooled (N, D), the token
+    states of each context (`TokenStates`) for an attention pooler, or None where nothing trained
+    reads them (the soft-prompt baselines alone)."""
 
-    def __init__(self, rows: list[dict], states: Tensor | TokenStates, story_masks: list[Tensor] | None = None):
-        if len(rows) != len(states):
+    def __init__(self, rows: list[dict], states: Tensor | TokenStates | None,
+                 story_masks: list[Tensor] | None = None):
+        if states is not None and len(rows) != len(states):
             raise ValueError(f"{len(rows)} rows but {len(states)} sender states")
         if story_masks is not None and len(story_masks) != len(rows):
             raise ValueError(f"{len(rows)} rows but {len(story_masks)} story masks")
@@ -76,8 +78,9 @@ class HandoffRows(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         r = self.rows[i]
-        item = {"index": i, "states": self.states[i], "context": r["context"], "question": r["question"],
-                "answer": r["answer"]}
+        item = {"index": i, "context": r["context"], "question": r["question"], "answer": r["answer"]}
+        if self.states is not None:
+            item["states"] = self.states[i]
         if self.story_masks is not None:
             item["story_mask"] = self.story_masks[i]
         return item
@@ -91,6 +94,8 @@ def collate_rows(items: list[dict]) -> dict:
         "question": [it["question"] for it in items],
         "answer": [it["answer"] for it in items],
     }
+    if "states" not in items[0]:
+        return batch
     if items[0]["states"].dim() == 2:
         batch["tokens"], batch["token_mask"] = pad_token_states([it["states"] for it in items])
         if "story_mask" in items[0]:
@@ -202,10 +207,19 @@ def sender_max_length(cfg: TrainConfig, lm: LM) -> int:
 
 def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     """Train and validation rows with their (cached) sender states: token states when ilcp trains
-    an attention pooler, else mean-pooled states."""
+    an attention pooler, mean-pooled states when it trains without one, none when ilcp is not
+    trained (the soft-prompt baselines read no sender state)."""
     out = {}
     c = cfg.compressor
-    tokens = (c.pooling == "attention" or c.chunk_tokens > 0) and "ilcp" in cfg.handoff.variants
+    if "ilcp" not in cfg.handoff.variants:
+        for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
+            rows, _ = load_rows(cfg, split, size, lm.tokenizer)
+            if not rows:
+                raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
+            say(f"{split}: {len(rows)} rows (no sender states: ilcp is not among handoff.variants)")
+            out[split] = HandoffRows(rows, None)
+        return out["train"], out["validation"]
+    tokens = c.pooling == "attention" or c.chunk_tokens > 0
     extract = cached_token_states if tokens else cached_pooled_states
     max_length = sender_max_length(cfg, lm)
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
@@ -227,7 +241,7 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         say(f"{split}: {len(rows)} rows; {what} "
             f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
         masks = None
-        if c.story_attention_weight > 0 and "ilcp" in cfg.handoff.variants:
+        if c.story_attention_weight > 0:
             masks = story_masks(cfg, split, size, lm.tokenizer, rows, states)
         out[split] = HandoffRows(rows, states, masks)
     return out["train"], out["validation"]
