@@ -139,6 +139,28 @@ def test_the_held_out_target_reads_each_recipes_folder(tmp_path):
         "babilong:2:2k +25 points, babilong:3:2k +25 points."]
 
 
+def test_a_relabeled_method_is_its_own_row_and_both_text_references_reach_the_target(tmp_path):
+    story = _eval_result({"ilcp": (0.3, 163), "cold_read": (0.0, 9000)})
+    story["tasks"] = {"babilong:1:2k": story["tasks"]["babilong:1:1k"], "babilong:1:1k": story["tasks"]["babilong:1:1k"]}
+    story["tasks"]["babilong:1:2k"]["methods"]["cold_read"]["prefill_positions"] = 2000.0
+    for folder, tuned in (("babilong-story", None), ("babilong-cold-read-tuned", 0.01), ("babilong-text-tuned", 0.4)):
+        result = story if tuned is None else _eval_result({"cold_read_tuned": (tuned, 9000)})
+        if tuned is not None:
+            result["tasks"] = {"babilong:1:2k": result["tasks"]["babilong:1:1k"],
+                               "babilong:1:1k": result["tasks"]["babilong:1:1k"]}
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps(result))
+    block = results_docs.babilong_block(tmp_path)
+    assert "| `cold_read_tuned@0.5k` | 40.0 [30.0, 50.0] | 40.0 [30.0, 50.0] |" in block
+    assert "| `cold_read_tuned` | 1.0 [0.0, 11.0] | 1.0 [0.0, 11.0] |" in block
+    assert "`cold_read_tuned@0.5k` is cold_read_tuned with vectors trained at 0.5k" in block
+    assert results_docs.babilong_targets(tmp_path)[0].startswith(
+        "- 2k, ilcp at or above cold_read_tuned with at most 1/16 of the text's positions and 1/10 of its time to "
+        "first token: ilcp 30.0% against cold_read_tuned 1.0% (its vectors trained on the plain stories, "
+        "`babilong-cold-read-tuned`) and 40.0% (its vectors trained at 0.5k, `babilong-text-tuned`) on 10 questions, "
+        "prefix 1/50 of the text's positions")
+
+
 def test_the_served_block_renders_the_load_benchmark(tmp_path):
     folder = tmp_path / "served-load"
     folder.mkdir()
