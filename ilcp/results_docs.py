@@ -523,12 +523,15 @@ def babilong_targets(results_dir: Path) -> list[str]:
         ratios = [f"{name} 1/{_ttft(m['cold_read']) / _ttft(m['ilcp']):.0f}" for name, m in
                   (("bfloat16", at_2k), ("float32", fp32)) if {"ilcp", "cold_read"} <= set(m)
                   and _ttft(m["ilcp"]) and _ttft(m["cold_read"])]
+        bare = at_2k.get("no_context")  # no prefix at all: the receiver's fixed cost bounds every ratio
+        floor = (f" (no_context, reading no context at all, 1/{_ttft(cold) / _ttft(bare):.0f} under bfloat16: the "
+                 "receiver's fixed cost)" if bare and _ttft(bare) and _ttft(cold) else "")
         against = " and ".join(f"{_pct(m['exact_match'])}% (its vectors {how}, `{folder}`)" for m, how, folder in tuned)
         ns = "/".join(str(n) for n in dict.fromkeys([ilcp["n"], *(m["n"] for m, _, _ in tuned)]))
         out.append(f"- 2k, ilcp at or above cold_read_tuned with at most 1/16 of the text's positions and 1/10 of "
                    f"its time to first token: ilcp {_pct(ilcp['exact_match'])}% against cold_read_tuned {against} "
                    f"on {ns} questions, prefix 1/{cold['prefill_positions'] / ilcp['prefill_positions']:.0f} "
-                   f"of the text's positions, time to first token {', '.join(ratios)}.")
+                   f"of the text's positions, time to first token {', '.join(ratios)}{floor}.")
     at_4k = _task_methods(results_dir, "babilong-story-4k", "babilong:1:4k")
     at_05 = _task_methods(results_dir, "babilong-story", "babilong:1:0.5k")
     plain = _task_methods(results_dir, "babilong-default", "babilong:1:0")
