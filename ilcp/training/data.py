@@ -211,14 +211,6 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     trained (the soft-prompt baselines read no sender state)."""
     out = {}
     c = cfg.compressor
-    if "ilcp" not in cfg.handoff.variants:
-        for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
-            rows, _ = load_rows(cfg, split, size, lm.tokenizer)
-            if not rows:
-                raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
-            say(f"{split}: {len(rows)} rows (no sender states: ilcp is not among handoff.variants)")
-            out[split] = HandoffRows(rows, None)
-        return out["train"], out["validation"]
     tokens = c.pooling == "attention" or c.chunk_tokens > 0
     extract = cached_token_states if tokens else cached_pooled_states
     max_length = sender_max_length(cfg, lm)
@@ -226,6 +218,10 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         rows, key = load_rows(cfg, split, size, lm.tokenizer)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
+        if "ilcp" not in cfg.handoff.variants:
+            say(f"{split}: {len(rows)} rows (no sender states: ilcp is not among handoff.variants)")
+            out[split] = HandoffRows(rows, None)
+            continue
         t0 = time.perf_counter()
         states, path, hit = extract(
             lm, [r["context"] for r in rows], [r["id"] for r in rows], key,
