@@ -23,7 +23,7 @@ the shortest sentence tried at the end: at most 19 tokens with the tiny test tok
 with SmolLM2's on bAbI tasks 1 and 3 at 0.5k to 4k, so within 5% of T for T >= 512. A story that
 alone is longer than T is returned plain (no background), longer than T.
 
-Background: the books under ``ilcp/data/background/`` (public domain; see the README there),
+Background: the books under ``data/background/`` (`ilcp.datadir`) (public domain; see the README there),
 split into sentences; sentences that read like bAbI facts (`is_babi_like`) and very short or
 long ones are dropped. Each book's kept sentences are cut into three contiguous passages, the
 first 80% for the train split, the next 10% for validation and the last 10% for test, so the
@@ -44,9 +44,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from .datadir import data_root
+
 # Bump when babilong_context, the sentence splitter or the filters would give other text.
 GENERATOR_VERSION = 1
-BACKGROUND_DIR = Path(__file__).resolve().parent / "data" / "background"
 TOKENS_PER_K = 1024
 NAMED_LENGTHS = ("0", "0.5k", "1k", "2k", "4k")
 # Each book's kept sentences, in order, are cut at these fractions into train / validation / test.
@@ -264,8 +265,8 @@ def _keep(sentence: str) -> bool:
 
 def background_files(background_dir: str | os.PathLike | None = None) -> list[Path]:
     """The background books (``*.txt``, in name order) of ``background_dir`` (default
-    ``BACKGROUND_DIR``)."""
-    folder = Path(background_dir) if background_dir is not None else BACKGROUND_DIR
+    the shipped ``data/background``)."""
+    folder = Path(background_dir) if background_dir is not None else data_root() / "background"
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise FileNotFoundError(f"no background text (*.txt) in {folder}")

@@ -47,9 +47,11 @@ class LMConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("babi:1", "training task: 'babi:N' (or a mix 'babi:1+2'), 'facts' or 'babilong:N:LENGTH' (bAbI "
-                             "task N spread through background prose to LENGTH tokens of the LM: 0, 0.5k, 1k, 2k, 4k or "
-                             "a number; a mix 'babilong:1+8:0.5k')")
+    task: str = _f("babi:1", "training task: 'babi:N', a balanced mix 'babi:1+2' or 'babi:all', 'facts', "
+                             "'babilong:N:LENGTH' (bAbI task N spread through background prose to LENGTH tokens of the "
+                             "LM: 0, 0.5k, 1k, 2k, 4k or a number), 'squad' (the shipped SQuAD subset), or a file of "
+                             "your own: 'jsonl:PATH', 'csv:PATH', 'parquet:PATH', 'disk:PATH' (datasets' save_to_disk), "
+                             "'jsonl:train=A,test=B' (columns context, question, answer, optional id)")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
     val_size: int = _f(256, "validation rows for the teacher-forced loss")
@@ -67,8 +69,19 @@ class DataConfig:
     pool_batch_tokens: int = _f(16384, "at most this many padded positions per extraction forward (long contexts "
                                        "go a few, or one, at a time)")
     seed: int = _f(0, "seed of the validation split and of procedural tasks")
+    columns: dict = _f({}, "file tasks: the file's column for each standard name, e.g. {context: passage, answer: "
+                           "gold} (data.columns.context=passage); unmapped names are read as they are")
+    validation_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts "
+                                         "carved out for validation")
+    test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
+                                   "out for test (eval's split)")
 
     def __post_init__(self):
+        from .names import unknown_task  # the standard library only
+
+        problem = unknown_task(self.task)
+        if problem is not None:
+            raise ValueError(f"data.task: {problem}")
         if self.task.startswith("babilong"):
             from .babilong import parse_babilong_name  # the standard library only
 
@@ -76,8 +89,21 @@ class DataConfig:
                 parse_babilong_name(self.task)
             except ValueError as e:
                 raise ValueError(f"data.task: {e}") from None
-        elif not (self.task == "facts" or self.task.startswith("babi:")):
-            raise ValueError(f"data.task must be 'babi:N', 'facts' or 'babilong:N:LENGTH', got {self.task!r}")
+        if self.task.strip() == "facts-heldout":
+            raise ValueError("data.task: 'facts-heldout' is an evaluation split (values never seen in training); "
+                             "train on 'facts' with data.facts_value_split=train")
+        if not isinstance(self.columns, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in self.columns.items()):
+            raise ValueError(f"data.columns must map names to column names, got {self.columns!r}")
+        unknown = sorted(set(self.columns) - {"context", "question", "answer", "id"})
+        if unknown:
+            raise ValueError(f"data.columns: unknown key(s) {', '.join(unknown)}; map context, question, answer or id")
+        for name in ("validation_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"data.{name} must be in [0, 1), got {value!r}")
+        if self.validation_fraction + self.test_fraction >= 1:
+            raise ValueError("data.validation_fraction + data.test_fraction must be below 1")
         if self.babi_variant not in {"en", "en-10k"}:
             raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
         for name in ("train_size", "val_size", "val_decode_size", "pool_batch_size", "pool_batch_tokens",

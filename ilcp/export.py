@@ -162,6 +162,14 @@ def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
     return EncoderSpec.from_encoder(encoder, layers, max_length).to_config()
 
 
+def task_settings(data) -> dict:
+    """What the training task records beyond the common settings so eval rebuilds its test split
+    (a file task's column names and split fractions; nothing for the built-in tasks)."""
+    from .tasks import resolve_task
+
+    return resolve_task(data.task).task_settings(data)
+
+
 def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true",
                key: bytes | None = None) -> Path:
     """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring);
@@ -187,7 +195,7 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
         "task": d.task,
         "task_settings": {"babi_variant": d.babi_variant, "facts_n_facts": d.facts_n_facts,
                           "facts_n_distractors": d.facts_n_distractors, "facts_value_split": d.facts_value_split,
-                          "seed": d.seed},
+                          "seed": d.seed, **task_settings(d)},
         "files": files,
         "digests": digests,
         "train_config": "train_config.yaml",

@@ -49,6 +49,9 @@ class LMLoadError(RuntimeError):
     """The spec could not be turned into a model; the message says what to do."""
 
 
+CONTEXT_LIMIT_FALLBACK = 8192  # context tokens for an LM whose config states no limit
+
+
 @dataclass
 class LM:
     """A frozen causal LM with its tokenizer.
@@ -78,6 +81,12 @@ class LM:
         """The most positions the model reads (``config.max_position_embeddings``), or None."""
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(limit) if limit else None
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the sender reads whole: `max_positions`, or ``CONTEXT_LIMIT_FALLBACK``
+        for an LM whose config states none."""
+        return self.max_positions or CONTEXT_LIMIT_FALLBACK
 
     @property
     def device(self) -> torch.device:

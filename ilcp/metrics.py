@@ -6,12 +6,18 @@
 
 Normalisation lower-cases, drops punctuation and the articles a/an/the, and squeezes whitespace,
 so "The kitchen." matches "kitchen". bAbI list answers ("apple,football") compare as words.
+
+An answer is one string or a list of accepted answers; a prediction scores its best match. Tasks
+with open-text answers (SQuAD, a user's files) are scored as SQuAD scores them (`squad_scores`):
+exact match and F1 from ``torchmetrics``' SQuAD metric, the official answer normalisation, the
+maximum over the accepted answers.
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Sequence
 
 from torchmetrics.functional.text import squad
 
@@ -32,20 +38,34 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_match(prediction: str, answer: str) -> bool:
-    return normalize_answer(first_line(prediction)) == normalize_answer(answer)
+def accepted(answer: str | Sequence[str]) -> list[str]:
+    """The accepted answers of a row's ``answer`` (one string) or ``answers`` (a list)."""
+    return [answer] if isinstance(answer, str) else list(answer)
 
 
-def contains_answer(prediction: str, answer: str) -> bool:
-    pred, ans = normalize_answer(first_line(prediction)), normalize_answer(answer)
-    return bool(ans) and f" {ans} " in f" {pred} "
+def exact_match(prediction: str, answer: str | Sequence[str]) -> bool:
+    pred = normalize_answer(first_line(prediction))
+    return any(pred == normalize_answer(a) for a in accepted(answer))
 
 
-def token_f1(predictions: list[str], answers: list[str]) -> list[float]:
+def contains_answer(prediction: str, answer: str | Sequence[str]) -> bool:
+    pred = f" {normalize_answer(first_line(prediction))} "
+    return any((ans := normalize_answer(a)) and f" {ans} " in pred for a in accepted(answer))
+
+
+def squad_scores(prediction: str, answer: str | Sequence[str], *, lists: bool = False) -> tuple[float, float]:
+    """(exact match, F1), each in [0, 1], of the prediction's first line against the accepted
+    answers, by torchmetrics' SQuAD metric (the official normalisation and the maximum over
+    answers). ``lists``: commas separate words (bAbI's "apple,football")."""
+    def text(t: str) -> str:
+        return t.replace(",", " ") if lists else t
+
+    answers = [text(a) for a in accepted(answer)]
+    scores = squad({"prediction_text": text(first_line(prediction)), "id": "0"},
+                   {"answers": {"answer_start": [0] * len(answers), "text": answers}, "id": "0"})
+    return float(scores["exact_match"]) / 100.0, float(scores["f1"]) / 100.0
+
+
+def token_f1(predictions: list[str], answers: list[str | Sequence[str]], *, open_text: bool = False) -> list[float]:
     """Per-example SQuAD F1 in [0, 1] (torchmetrics), on the first line of each prediction."""
-    out = []
-    for i, (p, a) in enumerate(zip(predictions, answers, strict=True)):
-        preds = {"prediction_text": first_line(p).replace(",", " "), "id": str(i)}
-        target = {"answers": {"answer_start": [0], "text": [a.replace(",", " ")]}, "id": str(i)}
-        out.append(float(squad(preds, target)["f1"]) / 100.0)
-    return out
+    return [squad_scores(p, a, lists=not open_text)[1] for p, a in zip(predictions, answers, strict=True)]

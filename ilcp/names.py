@@ -25,6 +25,44 @@ METHOD_FAMILIES = ("kv_relay", "rclc")  # "family:..." names, each parsed by its
 METHOD_GROUPS = ("default", "rclc", "rclc-quick", "rclc-budgets", "rclc-budgets-tuned")
 DEFAULT_METHODS = ("no_context", "prompt_tuned", "cold_read", "cold_read_tuned", "ilcp")
 
+# task names (ilcp.tasks): each source's name pattern (a regex, full match, case-insensitive) and
+# the forms it accepts, in the order the registry tries them; each source registers its loader
+# under its key here (`ilcp.tasks.register_task`)
+TASK_NAMES = {
+    "babi": (r"babi[-:_](?:qa)?\d+(?:\+(?:babi[-:_]?)?(?:qa)?\d+)*|qa\d+|babi[-:_]all",
+             "'babi:N' (a bAbI task number; also 'babi-qaN'), a mix 'babi:1+2+3', 'babi:all' (every shipped task)"),
+    "facts": (r"facts(?:-heldout)?", "'facts', 'facts-heldout' (eval: values never seen in training)"),
+    "babilong": (r"babilong(?:[:_-].*)?", "'babilong:N:LENGTH' (bAbI task N in LENGTH tokens of prose: 0, 0.5k, 1k, 2k, "
+                                    "4k or a number; a mix 'babilong:1+7+8:0.5k')"),
+    "squad": (r"squad", "'squad' (the shipped SQuAD v1.1 subset, open-text answers)"),
+    "files": (r"(?:jsonl|csv|parquet|disk):.+", "a file of your own: 'jsonl:PATH', 'csv:PATH', 'parquet:PATH', "
+                                               "'disk:PATH' (a datasets folder), or one file per split "
+                                               "'jsonl:train=A,test=B'"),
+}
+
+
+def task_source(name: str) -> str | None:
+    """The source whose pattern a task name matches (None for none)."""
+    import re
+
+    text = name.strip() if isinstance(name, str) else ""
+    for source, (pattern, _) in TASK_NAMES.items():
+        if re.fullmatch(pattern, text, re.IGNORECASE | re.DOTALL):
+            return source
+    return None
+
+
+def unknown_task(name) -> str | None:
+    """Why ``name`` is no task name of any source (None when a source's pattern matches; the
+    source's own parser checks the rest when the task is resolved)."""
+    if not isinstance(name, str) or not name.strip():
+        return f"a task name must be a non-empty string, got {name!r}"
+    if task_source(name) is not None:
+        return None
+    forms = "; ".join(forms for _, forms in TASK_NAMES.values())
+    return f"unknown task {name!r}; available: {forms}"
+
+
 # ilcp-eval's defaults (ilcp.evaluation.run, ilcp.evaluation.decoders, ilcp.transport)
 DEFAULT_LIMIT = 200
 DEFAULT_LATENCY_N = 20

@@ -287,7 +287,8 @@ def test_task_config_key(tokenizer, tmp_path):
 
 def test_config_train_and_eval_accept_the_name(tokenizer):
     from ilcp.config import load_config
-    from ilcp.evaluation.run import _task_rows, parse_task
+    from ilcp.evaluation.run import parse_task
+    from ilcp.tasks import EvalTaskContext
     from ilcp.training.data import load_rows, task_kwargs
 
     cfg = load_config(None, ["data.task=babilong:1:1k", "data.babi_variant=en"])
@@ -301,8 +302,9 @@ def test_config_train_and_eval_accept_the_name(tokenizer):
     assert len(rows) == 4 and key["task"] == "babilong-qa1-1k" and key["split"] == "validation"
 
     spec = parse_task("babilong:2:2048")
-    assert spec.name == "babilong:2:2k" and spec.length == 2048 and not spec.is_facts
-    rows, available, source = _task_rows(spec, 3, None, tokenizer)
+    assert spec.name == "babilong:2:2k" and spec.parsed.length == 2048 and not spec.needs_facts_settings
+    built = spec.eval_rows(3, EvalTaskContext(tokenizer=tokenizer))
+    rows, available, source = built.rows, built.available, built.source
     assert len(rows) == 3 and available == 1000 and "2048-token" in source
     assert all(n_tokens(tokenizer, r["context"]) <= 2048 for r in rows)
     for bad in ("babilong:1", "babilong:99:1k"):
@@ -456,8 +458,7 @@ def test_a_mix_key_lists_its_tasks_and_eval_reads_them_one_by_one(tokenizer):
     assert task_config_key("babilong:1+7:0.5k", "train", tokenizer=tokenizer, variant="en", limit=6) != key
     assert load_config(None, ["data.task=babilong:1+8:0.5k"]).data.task == "babilong:1+8:0.5k"
     assert [s.name for s in _training_tasks("babilong:1+8:0.5k")] == ["babilong:1:0.5k", "babilong:8:0.5k"]
-    with pytest.raises(ValueError, match="one by one"):
-        parse_task("babilong:1+8:2k")
+    assert [s.name for s in parse_task("babilong:1+8:2k").parts()] == ["babilong:1:2k", "babilong:8:2k"]
     with pytest.raises(ValueError, match="qa99|99"):
         load_task("babilong:1+99:0.5k", "train", tokenizer=tokenizer, variant="en")
 

@@ -4,6 +4,7 @@ task with its held-out value split and unlabelled contexts, the registry."""
 import hashlib
 from pathlib import Path
 import json
+import os
 import re
 import shutil
 import time
@@ -64,7 +65,7 @@ def test_babi_first_rows_match_the_file():
     rows = load_babi("qa1", "test")
     assert rows[0] == {"id": "babi-qa1-test-s0-q0", "task": "babi-qa1",
                        "context": "John travelled to the hallway. Mary journeyed to the bathroom.",
-                       "question": "Where is John?", "answer": "hallway"}
+                       "question": "Where is John?", "answer": "hallway", "answers": ["hallway"]}
     assert rows[1]["context"].startswith(rows[0]["context"] + " ")
     assert rows[1]["id"] == "babi-qa1-test-s0-q1"
     lists = load_babi(8, "test")["answer"]
@@ -265,7 +266,7 @@ def test_load_task_registry():
                                          split="test").to_dict()
     assert len(load_task("facts", "train", n_examples=6, limit=2)) == 2
     with pytest.raises(ValueError, match="facts"):
-        load_task("squad", "train")
+        load_task("trivia", "train")
     with pytest.raises(ValueError, match="n_examples"):
         load_task("facts", "train")
 
@@ -301,7 +302,10 @@ def test_task_config_key(tmp_path):
 # --------------------------------------------------------------- unchanged defaults (reference)
 
 def _digest(dataset):
-    return hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    """The rows' digest without ``answers`` (added later: ``[answer]`` for every generated row)."""
+    rows = dataset.to_dict()
+    assert rows.pop("answers") == [[answer] for answer in rows["answer"]]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Digests of the rows these calls gave before held-out values, mixes and stories were added.
@@ -451,7 +455,7 @@ def test_value_split_bad_arguments(monkeypatch):
         make_facts(5, value_split="test")
     with pytest.raises(ValueError, match="value_split"):
         task_config_key("facts", "train", n_examples=5, value_split="all")
-    monkeypatch.setattr(tasks, "ALL_ENTITIES", ("Cedar", "Birch"))  # a space of a few hundred
+    monkeypatch.setattr(tasks.facts, "ALL_ENTITIES", ("Cedar", "Birch"))  # a space of a few hundred
     with pytest.raises(ValueError, match="distinct"):
         make_facts(2000, n_facts=1, split="test", value_split="heldout")
 
@@ -567,18 +571,53 @@ def test_babi_mix_config_keys_and_errors():
         load_task("babi:1+4", "test")
 
 
-def test_babi_data_ships_as_package_data():
+def test_shipped_data_lives_in_the_top_level_folder_and_installs_as_package_data():
     import fnmatch
     import tomllib
 
     import ilcp
-    from ilcp.tasks import DEFAULT_BABI_DIR
+    from ilcp.datadir import data_root
+    from ilcp.tasks import default_babi_dir
 
-    package = Path(ilcp.__file__).parent
-    assert DEFAULT_BABI_DIR.is_relative_to(package) and DEFAULT_BABI_DIR.is_dir()
-    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["ilcp"]
-    files = [p.relative_to(package).as_posix() for p in (package / "data").rglob("*") if p.is_file()]
+    repo = Path(ilcp.__file__).parent.parent
+    assert data_root() == repo / "data" and default_babi_dir() == repo / "data" / "babi"
+    setuptools = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = sorted(".".join(p.parent.relative_to(repo).parts) for p in (repo / "ilcp").rglob("__init__.py"))
+    assert sorted(setuptools["packages"]) == sorted([*packages, "ilcp.data"])
+    assert setuptools["package-dir"] == {"ilcp.data": "data"}
+    patterns = setuptools["package-data"]["ilcp.data"]
+    files = [p.relative_to(repo / "data").as_posix() for p in (repo / "data").rglob("*")
+             if p.is_file() and "cache" not in p.relative_to(repo / "data").parts]
     unshipped = [f for f in files if not any(fnmatch.fnmatchcase(f, pat) and f.count("/") == pat.count("/")
                                              for pat in patterns)]
     assert files and unshipped == []
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_finds_its_built_in_tasks(tmp_path):
+    """A wheel built from the checkout carries data/ as ilcp/data, and the installed package (not
+    the checkout) reads its bAbI and SQuAD rows from there."""
+    import subprocess
+    import sys
+    import zipfile
+
+    import ilcp
+
+    repo = Path(ilcp.__file__).parent.parent
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(repo), "--no-deps", "-q", "-w", str(tmp_path)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("ilcp-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert (site / "ilcp" / "data" / "babi" / "en-10k" / "qa1_single-supporting-fact_train.txt").is_file()
+    probe = ("import ilcp, json; from ilcp.datadir import data_root; from ilcp.tasks import load_task; "
+             "print(json.dumps([ilcp.__file__, str(data_root()), len(load_task('babi:1', 'test', limit=3)), "
+             "len(load_task('squad', 'test', limit=3))]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("ILCP_DATA_DIR", "ILCP_BABI_DIR")}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**env, "PYTHONPATH": str(site)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    module, root, n_babi, n_squad = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(module).is_relative_to(site) and Path(root) == site / "ilcp" / "data"
+    assert (n_babi, n_squad) == (3, 3)

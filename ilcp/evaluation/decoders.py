@@ -39,7 +39,7 @@ from ..lm import LM
 from ..metrics import first_line, normalize_answer
 from ..names import ENGINES
 from .registry import HandoffMethod
-from .report import accuracy_summary, wilson_interval
+from .report import accepted_answers, accuracy_summary, wilson_interval
 
 __all__ = [
     "ENGINES",
@@ -187,14 +187,16 @@ def agrees(a: str, b: str) -> bool:
     return normalize_answer(first_line(a)) == normalize_answer(first_line(b))
 
 
-def compare(rows: Sequence[dict], hf: Sequence[str], vllm: Sequence[str], decode_s: float) -> dict:
-    """The vLLM entry of a method's metrics: its accuracy on ``rows`` and its agreement with HF."""
+def compare(rows: Sequence[dict], hf: Sequence[str], vllm: Sequence[str], decode_s: float, *,
+            open_text: bool = False) -> dict:
+    """The vLLM entry of a method's metrics: its accuracy on ``rows`` (``open_text``: as SQuAD
+    scores it) and its agreement with HF."""
     same = [float(agrees(a, b)) for a, b in zip(hf, vllm)]
     differ = [{"id": r["id"], "question": r["question"], "answer": r["answer"], "hf": a, "vllm": b}
               for r, a, b, s in zip(rows, hf, vllm, same) if not s]
 
     return {
-        **accuracy_summary(vllm, [r["answer"] for r in rows]),
+        **accuracy_summary(vllm, [accepted_answers(r) for r in rows], open_text=open_text),
         "agreement": sum(same) / len(same) if same else None,
         "agreement_ci": wilson_interval(same),
         "disagree": len(differ),

@@ -66,15 +66,25 @@ def wilson_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
-def accuracy_summary(predictions: Sequence[str], answers: Sequence[str]) -> dict:
-    """n, exact match, contains (each with its Wilson interval) and token F1 of predictions."""
-    from ..metrics import contains_answer, exact_match, token_f1
+def accuracy_summary(predictions: Sequence[str], answers: Sequence, *, open_text: bool = False) -> dict:
+    """n, exact match, contains (each with its Wilson interval) and token F1 (with a bootstrap
+    interval) of predictions; an answer is a string or a list of accepted answers. ``open_text``:
+    exact match is SQuAD's (`ilcp.metrics.squad_scores`), as for SQuAD and a user's files."""
+    from ..metrics import contains_answer, exact_match, squad_scores
 
-    em = [float(exact_match(p, a)) for p, a in zip(predictions, answers)]
+    scores = [squad_scores(p, a, lists=not open_text) for p, a in zip(predictions, answers)]
+    em = ([s[0] for s in scores] if open_text else
+          [float(exact_match(p, a)) for p, a in zip(predictions, answers)])
     contains = [float(contains_answer(p, a)) for p, a in zip(predictions, answers)]
-    f1 = token_f1(list(predictions), list(answers)) if answers else []
+    f1 = [s[1] for s in scores]
     return {"n": len(answers), "exact_match": _mean(em), "exact_match_ci": wilson_interval(em),
-            "contains": _mean(contains), "contains_ci": wilson_interval(contains), "f1": _mean(f1)}
+            "contains": _mean(contains), "contains_ci": wilson_interval(contains), "f1": _mean(f1),
+            "f1_ci": bootstrap_interval(f1), "scoring": "squad" if open_text else "closed"}
+
+
+def accepted_answers(row: dict) -> list[str]:
+    """A task row's accepted answers (``answers``; rows without it: ``[answer]``)."""
+    return list(row.get("answers") or [row["answer"]])
 
 
 def _mean(x):

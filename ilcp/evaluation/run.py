@@ -56,9 +56,8 @@ from ..lm import LM, load_lm
 from ..pooling import context_lengths
 from ..precision import autocast, resolve
 from ..provenance import provenance
-from ..babilong import is_babilong_name, length_label, parse_babilong_name
-from ..tasks import (babi_file, babi_task_numbers, count_tokens, facts_for_length, load_babi, load_babilong,
-                     make_facts)
+from ..tasks import EvalTaskContext, Task, count_tokens, facts_for_length, make_facts, resolve_task
+from ..tasks.facts import FACTS_TEST_SIZE
 from ..io import atomic_write_json, atomic_write_text
 from ..engines.vllm import VLLMDecoder, require_vllm
 from ..eval_config import EvalConfig
@@ -66,91 +65,23 @@ from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_
 from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N
 from .rclc_methods import SenderStates, sender_states
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
-from .report import accuracy_summary, latency_summary, write_report
+from .report import accepted_answers, accuracy_summary, latency_summary, write_report
 
 __all__ = ["DEFAULT_FACTS_COUNTS", "DEFAULT_LATENCY_N", "DEFAULT_LENGTHS", "DEFAULT_LIMIT",
-           "DEFAULT_THROUGHPUT_N", "EvalConfig", "EvalSession", "TaskSpec", "context_length_sweep",
+           "DEFAULT_THROUGHPUT_N", "EvalConfig", "EvalSession", "context_length_sweep",
            "engine_agreement", "evaluate", "evaluate_task", "facts_count_sweep", "open_session", "parse_task",
            "start_engine", "throughput_table", "time_request"]
 
 LENGTH_METHODS = ("no_context", "cold_read", "ilcp")
 FACTS_COUNT_METHODS = ("ilcp", "prompt_tuned", "cold_read_tuned")
-FACTS_TEST_SIZE = 1000  # questions in the facts task's test split (bAbI en test files hold 1,000)
 CHUNK = 64  # rows whose prefixes are built and decoded together (bounds memory)
 
-_BABI = re.compile(r"babi[-:_]?(?:qa)?(\d+)\Z", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """A task to evaluate: ``name`` as reported ("babi:N", "facts" or "babilong:N:2k") and how to
-    load it."""
-
-    name: str
-    babi_number: int | None = None
-    value_split: str | None = None  # facts: "heldout" asks only values that training never used
-    length: int | None = None  # babilong: context tokens of the LM (`ilcp.babilong`)
-
-    @property
-    def is_facts(self) -> bool:
-        return self.babi_number is None
-
-
-def parse_task(name: str) -> TaskSpec:
-    """"babi:N" (also "babi-qaN", "qaN"), "facts", "facts-heldout" (the facts test split whose
-    values are all held out of training: see `ilcp.tasks.make_facts`), or "babilong:N:LENGTH"
-    (`ilcp.babilong`); ValueError for anything else, or for a bAbI task without an ``en`` test
-    file."""
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"task must be a non-empty string, got {name!r}")
-    text = name.strip()
-    if text == "facts":
-        return TaskSpec("facts")
-    if text == "facts-heldout":
-        return TaskSpec("facts-heldout", value_split="heldout")
-    if is_babilong_name(text):
-        task = parse_babilong_name(text)  # its ValueError names the task
-        if len(task.numbers) > 1:
-            raise ValueError(f"task {name!r} is a mix: evaluate its tasks one by one ({','.join(task.parts)})")
-        try:
-            babi_file(task.number, "test", variant="en")
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"task {name!r}: {e}") from None
-        return TaskSpec(f"babilong:{task.number}:{length_label(task.length)}", task.number, length=task.length)
-    match = _BABI.match(text) or re.fullmatch(r"qa(\d+)", text, re.IGNORECASE)
-    if not match or int(match.group(1)) < 1:
-        raise ValueError(f"unknown task {name!r}: use 'babi:N' (a bAbI task number), 'facts', 'facts-heldout' "
-                         "or 'babilong:N:LENGTH' (e.g. babilong:1:2k)")
-    number = int(match.group(1))
-    try:
-        babi_file(number, "test", variant="en")
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"task {name!r}: {e}") from None
-    return TaskSpec(f"babi:{number}", number)
-
-
-def _task_rows(spec: TaskSpec, limit: int | None, facts_settings: dict | None,
-               tokenizer=None) -> tuple[list[dict], int, str]:
-    """(rows, questions available, a description of the source) for a task's test split; the facts
-    task is built with the run's ``facts_settings`` (`run_facts_settings`), a babilong task with
-    ``tokenizer`` (the LM's) and seed 0."""
-    if spec.is_facts:
-        n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
-        settings = dict(facts_settings)
-        if spec.value_split is not None:
-            settings["value_split"] = spec.value_split
-        rows = make_facts(n, split="test", **settings).to_list()
-        values = {None: "", "train": ", training values", "heldout": ", held-out values"}[settings.get("value_split")]
-        desc = (f"facts test split ({settings['n_facts']} facts, {settings['n_distractors']} "
-                f"distractors, seed {settings['seed']}{values})")
-        return rows, FACTS_TEST_SIZE, desc
-    rows = load_babi(spec.babi_number, "test", variant="en").to_list()
-    available = len(rows)
-    desc = f"bAbI en test file {babi_file(spec.babi_number, 'test', variant='en').name}"
-    if spec.length is not None:
-        rows = load_babilong(spec.name, "test", tokenizer=tokenizer, variant="en", limit=limit).to_list()
-        desc += f" in {spec.length}-token contexts of test background (ilcp.babilong, seed 0)"
-    return (rows if limit is None else rows[:limit]), available, desc
+def parse_task(name: str) -> Task:
+    """The `ilcp.tasks.Task` a name given to eval stands for, checked as far as it can be without
+    the LM (a bAbI task's ``en`` test file, a file task's files); ValueError naming the problem."""
+    task = resolve_task(name)  # its ValueError lists the forms
+    task.check_evaluable()
+    return task
 
 
 FACTS_SETTINGS = {"n_facts": "facts_n_facts", "n_distractors": "facts_n_distractors", "seed": "seed"}
@@ -255,8 +186,9 @@ class _Accuracy:
     take turns on the same chunk of questions (`_accuracy_shared`)."""
 
     def __init__(self, method: HandoffMethod, max_new_tokens: int, batch_size: int,
-                 vllm: VLLMDecoder | None = None):
+                 vllm: VLLMDecoder | None = None, open_text: bool = False):
         self.method, self.max_new_tokens, self.batch_size, self.vllm = method, max_new_tokens, batch_size, vllm
+        self.open_text = open_text  # SQuAD's scoring (`accuracy_summary`)
         self.predictions: list[str] = []
         self.vllm_predictions: list[str] | None = [] if vllm is not None else None
         self.unavailable: str | None = None
@@ -304,7 +236,7 @@ class _Accuracy:
             return sum(x) / len(x) if x else 0.0
 
         metrics = {
-            **accuracy_summary(self.predictions, [r["answer"] for r in rows]),
+            **accuracy_summary(self.predictions, [accepted_answers(r) for r in rows], open_text=self.open_text),
             "wire_bytes": mean(self.wire),
             "tensor_bytes": mean(self.tensor),
             "prefill_positions": mean(self.positions),
@@ -316,7 +248,8 @@ class _Accuracy:
                 metrics["vllm"] = {"unavailable": f"unavailable on vllm: {self.unavailable}"}
                 vllm_predictions = None
             else:
-                metrics["vllm"] = compare(rows, self.predictions, vllm_predictions, self.vllm_s)
+                metrics["vllm"] = compare(rows, self.predictions, vllm_predictions, self.vllm_s,
+                                          open_text=self.open_text)
         return metrics, self.predictions, vllm_predictions
 
 
@@ -328,10 +261,12 @@ def _unsort(order: Sequence[int], answers: Sequence[str]) -> list[str]:
 
 
 def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int,
-              progress: bool, desc: str, vllm: VLLMDecoder | None = None) -> tuple[dict, list[str], list[str] | None]:
+              progress: bool, desc: str, vllm: VLLMDecoder | None = None,
+              open_text: bool = False) -> tuple[dict, list[str], list[str] | None]:
     """Metrics and predictions of the HF decoder; with ``vllm``, the same prefixes decoded through
-    it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions."""
-    acc = _Accuracy(method, max_new_tokens, batch_size, vllm)
+    it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions.
+    ``open_text``: scored as SQuAD (the task's answers are open text)."""
+    acc = _Accuracy(method, max_new_tokens, batch_size, vllm, open_text)
     for start in tqdm(range(0, len(rows), CHUNK), desc=desc, disable=not progress, leave=False):
         acc.add(rows[start:start + CHUNK])
     return acc.result(rows)
@@ -339,7 +274,8 @@ def _accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, m
 
 def _accuracy_shared(methods: Sequence[HandoffMethod], rows: Sequence[dict], states: SenderStates, *,
                      batch_size: int, max_new_tokens: int, progress: bool, desc: str,
-                     vllm: VLLMDecoder | None = None) -> list[tuple[dict, list[str], list[str] | None, float]]:
+                     vllm: VLLMDecoder | None = None,
+                     open_text: bool = False) -> list[tuple[dict, list[str], list[str] | None, float]]:
     """`_accuracy` of several methods that share sender states (RCLC and kv_relay rows), with the
     questions outside and the methods inside: each chunk holds as many contexts as ``states``
     keeps at once, so every context's sender state is built once for all the methods, however
@@ -347,7 +283,7 @@ def _accuracy_shared(methods: Sequence[HandoffMethod], rows: Sequence[dict], sta
     bound). Returns, per method, `_accuracy`'s triple and the seconds spent on it."""
     lengths = context_lengths(methods[0].lm.tokenizer, [methods[0].sender_text(r["context"]) for r in rows])
     per_chunk = max(1, min(CHUNK, states.capacity, states.max_positions // max(max(lengths, default=1), 1)))
-    accs = [_Accuracy(m, max_new_tokens, batch_size, vllm) for m in methods]
+    accs = [_Accuracy(m, max_new_tokens, batch_size, vllm, open_text) for m in methods]
     seconds = [0.0] * len(methods)
     for start in tqdm(range(0, len(rows), per_chunk), desc=desc, disable=not progress, leave=False):
         chunk = rows[start:start + per_chunk]
@@ -371,20 +307,19 @@ def _resolve_methods(names: Sequence[str]) -> list[HandoffMethod]:
     return methods
 
 
-def _training_tasks(train_task: str) -> list[TaskSpec]:
-    """The tasks a run trained on: its one task, or each task of a bAbI or BABILong mix
-    ("babi:1+2+3", "babilong:1+8:0.5k")."""
-    if is_babilong_name(train_task):
-        return [parse_task(part) for part in parse_babilong_name(train_task).parts]
-    if train_task.startswith("babi") and "+" in train_task:
-        return [parse_task(f"babi:{n}") for n in babi_task_numbers(train_task)]
-    return [parse_task(train_task)]
+def _training_tasks(train_task: str) -> list[Task]:
+    """The tasks a run trained on, as eval reports them: its one task, or each task of a mix
+    ("babi:1+2+3", "babi:all", "babilong:1+8:0.5k")."""
+    return list(resolve_task(train_task).parts())
 
 
-def _resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False) -> list[TaskSpec]:
+def _resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False) -> list[Task]:
+    """The run's training tasks (unless ``only_extra``), then each of ``extra`` (a mix as its tasks)."""
     if isinstance(extra, str):
         extra = [t for t in extra.split(",") if t.strip()]
-    specs = ([] if only_extra else _training_tasks(train_task)) + [parse_task(t) for t in extra]
+    specs = [] if only_extra else _training_tasks(train_task)
+    for name in extra:
+        specs += parse_task(name).parts()
     return list({s.name: s for s in specs}.values())
 
 
@@ -402,9 +337,10 @@ class EvalSession:
     asked: list[str]  # every method asked for, groups expanded
     methods: list[HandoffMethod]  # those bound to the run, in the order asked
     skipped: dict[str, str]  # method -> why it does not run
-    tasks: list[TaskSpec]  # the run's training task(s) first
+    tasks: list[Task]  # the run's training task(s) first
     trained_on: set[str]
     facts_settings: dict | None  # the run's facts task settings when a facts task is evaluated
+    task_context: EvalTaskContext  # what a task needs to build its test rows
     vllm: VLLMDecoder | None = None
     engine_info: dict | None = None
     say: Callable[[str], None] = lambda message: None
@@ -428,7 +364,8 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     chosen = _resolve_methods(config.methods)
     task_specs = _resolve_tasks(run_config["task"], config.tasks, config.only_tasks)
     trained_on = {s.name for s in _training_tasks(run_config["task"])}
-    facts_settings = run_facts_settings(run_config, ckpt) if any(spec.is_facts for spec in task_specs) else None
+    facts_settings = (run_facts_settings(run_config, ckpt) if any(spec.needs_facts_settings for spec in task_specs)
+                      else None)
     files = run_config.get("files", {})
     skipped: dict[str, str] = {}
     runnable = []
@@ -461,10 +398,15 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
         except MethodUnavailable as e:
             skipped[m.name] = str(e)
             say(f"skipping {m.name}: {e}")
+    limit = lm.context_limit
+    sender_limit = handoff.max_length if handoff is not None else limit
+    task_context = EvalTaskContext(tokenizer=lm.tokenizer, max_tokens=limit if sender_limit >= limit else None,
+                                   task_settings=dict(run_config.get("task_settings") or {}),
+                                   facts_settings=facts_settings, train_task=run_config["task"])
     return EvalSession(config=config, ckpt=ckpt, run_config=run_config, lm=lm, precision=precision, handoff=handoff,
                        asked=[m.name for m in chosen], methods=bound, skipped=skipped, tasks=task_specs,
-                       trained_on=trained_on, facts_settings=facts_settings, vllm=vllm, engine_info=engine_info,
-                       say=say)
+                       trained_on=trained_on, facts_settings=facts_settings, task_context=task_context, vllm=vllm,
+                       engine_info=engine_info, say=say)
 
 
 def start_engine(config: EvalConfig, lm: LM, *, vllm: VLLMDecoder | None = None,
@@ -566,7 +508,7 @@ def evaluate(
     return results
 
 
-def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[list[dict], dict, dict]]:
+def evaluate_task(session: EvalSession, spec: Task) -> tuple[dict, tuple[list[dict], dict, dict]]:
     """Accuracy (batched, HF and with engine="vllm" vLLM too) and latency (unbatched, the first
     ``latency_n`` rows) of every bound method on one task's test split.
 
@@ -575,7 +517,8 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
         method)) for predictions.jsonl.
     """
     cfg, say = session.config, session.say
-    rows, available, source = _task_rows(spec, cfg.limit, session.facts_settings, session.lm.tokenizer)
+    built = spec.eval_rows(cfg.limit, session.task_context)
+    rows, available, source = built.rows, built.available, built.source
     seen = spec.name in session.trained_on
     say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
         f"questions, {len(session.methods)} methods")
@@ -604,7 +547,8 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
             warnings.filterwarnings("ignore", message=".*longer than this export's max_length.*")
             done = _accuracy_shared(shared, rows, sender_states(shared[0].ctx), batch_size=cfg.batch_size,
                                     max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
-                                    desc=f"{spec.name} {len(shared)} rclc/kv_relay rows accuracy", vllm=session.vllm)
+                                    desc=f"{spec.name} {len(shared)} rclc/kv_relay rows accuracy", vllm=session.vllm,
+                                    open_text=spec.open_answers)
         accuracy_done = {m.name: d for m, d in zip(shared, done)}
     for m in session.methods:
         part, key = parts[m.name]
@@ -626,7 +570,7 @@ def evaluate_task(session: EvalSession, spec: TaskSpec) -> tuple[dict, tuple[lis
                 metrics, preds, vllm_preds = _accuracy(m, rows, batch_size=cfg.batch_size,
                                                        max_new_tokens=cfg.max_new_tokens,
                                                        progress=cfg.progress, desc=f"{spec.name} {m.name} accuracy",
-                                                       vllm=session.vllm)
+                                                       vllm=session.vllm, open_text=spec.open_answers)
                 accuracy_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             metrics["latency"] = _latency(m, rows[:cfg.latency_n], cfg.max_new_tokens, cfg.progress,
@@ -713,7 +657,7 @@ def throughput_table(session: EvalSession) -> dict | None:
     methods = session.methods_named(THROUGHPUT_METHODS)
     if not methods:
         return None
-    rows = _task_rows(spec, cfg.throughput_n, session.facts_settings, session.lm.tokenizer)[0]
+    rows = spec.eval_rows(cfg.throughput_n, session.task_context).rows
     say(f"receiver throughput on {spec.name}: {', '.join(m.name for m in methods)}, {len(rows)} "
         f"questions, batches {cfg.throughput_batches}" + (", HF and vLLM" if session.vllm is not None else ", HF"))
     return {"task": spec.name, **receiver_throughput(methods, rows, cfg.throughput_batches,

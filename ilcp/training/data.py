@@ -22,33 +22,28 @@ from ..encoder import pool_states, pool_units
 from ..lm import LM
 from ..pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, context_lengths,
                        pad_token_states)
-from ..babilong import is_babilong_name, story_token_mask
-from ..tasks import FACT_VOCABULARIES, babilong_stories, fact_values, load_task, task_config_key
+from ..babilong import story_token_mask
+from ..tasks import FACT_VOCABULARIES, fact_values, resolve_task
 from .distributed import rank, world_size
 from .log import run_precision, say
 
 
-def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None) -> dict:
-    """Arguments of `load_task` for the configured training task and a split; ``tokenizer`` (the
-    LM's) is passed to the tasks whose length is counted in its tokens (``babilong:...``)."""
-    d = cfg.data
-    if d.task == "facts":
-        kwargs = {"n_examples": size, "n_facts": d.facts_n_facts, "n_distractors": d.facts_n_distractors, "seed": d.seed}
-        if d.facts_value_split is not None:
-            kwargs["value_split"] = d.facts_value_split
-        return kwargs
-    kwargs = {"variant": d.babi_variant, "limit": size, "seed": d.seed}
-    if is_babilong_name(d.task):
-        kwargs["tokenizer"] = tokenizer
-    return kwargs
+def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    """Arguments of the configured task's loader for a split of ``size`` rows (the task's own
+    `ilcp.tasks.Task.training_kwargs`): ``tokenizer`` (the LM's) for the tasks that count tokens,
+    ``max_tokens`` for those that refuse a context longer than the LM's limit."""
+    return resolve_task(cfg.data.task).training_kwargs(cfg.data, size, tokenizer, max_tokens)
 
 
-def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None):
+def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None):
     """(rows as a list of dicts, task key for the cache) of the configured task; ``tokenizer``:
-    the LM's, which a ``babilong:...`` task needs."""
-    kwargs = task_kwargs(cfg, split, size, tokenizer)
-    ds = load_task(cfg.data.task, split, **kwargs)
-    return ds.to_list(), task_config_key(cfg.data.task, split, **kwargs)
+    the LM's; ``max_tokens``: the LM's limit where contexts must fit it whole (no configured cut)."""
+    task = resolve_task(cfg.data.task)
+    if not task.trainable:
+        raise ValueError(f"task {task.name!r} is for evaluation only")
+    kwargs = task_kwargs(cfg, split, size, tokenizer, max_tokens)
+    ds = task.load(split, **kwargs)
+    return ds.to_list(), task.config_key(split, **kwargs)
 
 
 class HandoffRows(Dataset):
@@ -78,7 +73,8 @@ class HandoffRows(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         r = self.rows[i]
-        item = {"index": i, "context": r["context"], "question": r["question"], "answer": r["answer"]}
+        item = {"index": i, "context": r["context"], "question": r["question"], "answer": r["answer"],
+                "answers": r.get("answers") or [r["answer"]]}
         if self.states is not None:
             item["states"] = self.states[i]
         if self.story_masks is not None:
@@ -93,6 +89,7 @@ def collate_rows(items: list[dict]) -> dict:
         "context": [it["context"] for it in items],
         "question": [it["question"] for it in items],
         "answer": [it["answer"] for it in items],
+        "answers": [it["answers"] for it in items],  # every accepted answer (validation's exact match)
     }
     if "states" not in items[0]:
         return batch
@@ -197,12 +194,9 @@ def heldout_values() -> list[str]:
     return [v for name in FACT_VOCABULARIES for v in fact_values(name, "heldout")]
 
 
-SENDER_LIMIT_FALLBACK = 8192  # data.max_length=0 for an LM whose config states no limit
-
-
 def sender_max_length(cfg: TrainConfig, lm: LM) -> int:
     """The context tokens the sender reads: ``data.max_length``, or with 0 the LM's own limit."""
-    return cfg.data.max_length or lm.max_positions or SENDER_LIMIT_FALLBACK
+    return cfg.data.max_length or lm.context_limit
 
 
 def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
@@ -214,8 +208,10 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     tokens = c.pooling == "attention" or c.chunk_tokens > 0
     extract = cached_token_states if tokens else cached_pooled_states
     max_length = sender_max_length(cfg, lm)
+    limit = lm.context_limit
+    max_tokens = limit if max_length >= limit else None  # no configured cut: a context must fit the LM
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
-        rows, key = load_rows(cfg, split, size, lm.tokenizer)
+        rows, key = load_rows(cfg, split, size, lm.tokenizer, max_tokens)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
         if "ilcp" not in cfg.handoff.variants:
@@ -248,7 +244,7 @@ def story_masks(cfg: TrainConfig, split: str, size: int, tokenizer, rows: list[d
     """Which token states of each BABILong row are its story's (for
     ``compressor.story_attention_weight``), aligned with the states the sender kept (its last
     tokens where a context was cut)."""
-    stories = babilong_stories(cfg.data.task, split, **task_kwargs(cfg, split, size, tokenizer))
+    stories = resolve_task(cfg.data.task).stories(split, **task_kwargs(cfg, split, size, tokenizer))
     if len(stories) != len(rows):
         raise ValueError(f"{len(rows)} {split} rows but {len(stories)} bAbI stories behind them")
     masks = []

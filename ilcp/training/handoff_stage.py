@@ -221,7 +221,7 @@ class HandoffModule(L.LightningModule):
             loss, _ = self._teacher_forced(batch)
             predictions = self.answer(batch, keep) if keep else []
         self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
-        self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answer"][i]))
+        self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answers"][i]))
                               for p, i in zip(predictions, keep))
 
     def on_validation_epoch_end(self):
