@@ -25,7 +25,7 @@ from .config import load_config
 from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, PRECISIONS, method_names,
-                    unknown_method)
+                    split_task_names, unknown_method)
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
 
@@ -128,6 +128,12 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(f"{_yaml_source(args.config, args.overrides)} is not valid YAML: {_yaml_problem(e)}")
     except ValueError as e:
         parser.error(str(e))
+    from .tasks import resolve_task
+
+    try:  # a missing task file is named before the LM loads
+        resolve_task(cfg.data.task).check_trainable()
+    except ValueError as e:
+        parser.error(f"data.task: {e}")
     from .lm import LMLoadError
     from .training import train
 
@@ -201,6 +207,14 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _task_names(text: str) -> list[str]:
+    """Comma-separated task names; a file task's per-split list keeps its commas."""
+    names = split_task_names(text)
+    if text.strip() and not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(part) for part in _csv(text)]
@@ -212,10 +226,12 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ilcp-eval", description=EVAL_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
-    parser.add_argument("--tasks", type=_names, default=[],
-                        help="extra tasks, comma-separated: babi:N, facts, facts-heldout (facts whose values training never used), or "
-                             "babilong:N:LENGTH (bAbI task N in LENGTH tokens of prose: 0, 0.5k, 1k, 2k, 4k or a number); "
-                             "the training task is always included")
+    parser.add_argument("--tasks", type=_task_names, default=[],
+                        help="extra tasks, comma-separated: babi:N, babi:all (each shipped task, reported one by one), "
+                             "facts, facts-heldout (facts whose values training never used), babilong:N:LENGTH (bAbI "
+                             "task N in LENGTH tokens of prose: 0, 0.5k, 1k, 2k, 4k or a number), squad, or a file of "
+                             "yours: jsonl:PATH, csv:PATH, parquet:PATH, disk:PATH, jsonl:train=A,test=B (read with the "
+                             "run's data.columns); the training task is always included")
     parser.add_argument("--methods", type=_names, default=list(DEFAULT_METHODS),
                         help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
                              f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
-                    DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS)
+                    DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
 
 DEFAULT_VLLM_KV_CACHE_BYTES = 1 << 30  # ilcp.engines.vllm.DEFAULT_KV_CACHE_BYTES
 
@@ -27,8 +27,11 @@ def _f(default, help: str):
 
 
 def _names(value, name: str) -> list[str]:
-    """A list of names from a list of them or one comma-separated string."""
+    """A list of names from a list of them or one comma-separated string (task names keep a file
+    task's per-split commas: `ilcp.names.split_task_names`)."""
     if isinstance(value, str):
+        if name == "tasks":
+            return split_task_names(value)
         return [part.strip() for part in value.split(",") if part.strip()]
     try:
         items = list(value)
@@ -55,8 +58,9 @@ def _ints(name: str, value, low: int) -> list[int]:
 
 @dataclass
 class EvalConfig:
-    tasks: list = _f([], "tasks besides the run's own training task ('babi:N', 'facts', 'facts-heldout', "
-                         "'babilong:N:LENGTH'), reported separately and marked held out unless trained on")
+    tasks: list = _f([], "tasks besides the run's own training task ('babi:N', 'babi:all', 'facts', 'facts-heldout', "
+                         "'babilong:N:LENGTH', 'squad', 'jsonl:PATH' and the other file forms), reported separately "
+                         "(a mix task by task) and marked held out unless trained on")
     only_tasks: bool = _f(False, "evaluate only ``tasks``, not the run's training task (e.g. one long-context "
                                  "task of a run trained on short contexts)")
     methods: list = _f(list(DEFAULT_METHODS), "method names and groups (ilcp.evaluation.registry.make_method); those "

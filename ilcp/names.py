@@ -52,6 +52,22 @@ def task_source(name: str) -> str | None:
     return None
 
 
+def split_task_names(text: str) -> list[str]:
+    """Task names from a comma-separated list. A file task with one file per split keeps its commas:
+    "babi:2,jsonl:train=a.jsonl,test=b.jsonl" is ["babi:2", "jsonl:train=a.jsonl,test=b.jsonl"]."""
+    import re
+
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if names and re.match(r"(train|validation|test)=", part) and task_source(names[-1]) == "files":
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    return names
+
+
 def unknown_task(name) -> str | None:
     """Why ``name`` is no task name of any source (None when a source's pattern matches; the
     source's own parser checks the rest when the task is resolved)."""

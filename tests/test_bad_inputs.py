@@ -150,9 +150,62 @@ def _(s):
     return ["--config", str(TINY), *runs(s), "handoff.max_steps=-5"]
 
 
-@train_case("unknown task", "data.task", "squad")
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+GOOD_ROW = {"context": "Mary went to the kitchen.", "question": "Where is Mary?", "answer": "kitchen"}
+
+
+@train_case("task file missing", "data.task", "missing.jsonl", "no such file")
 def _(s):
-    return ["--config", str(TINY), *runs(s), "data.task=squad"]
+    return ["--config", str(TINY), *runs(s), f"data.task=jsonl:{s.tmp / 'missing.jsonl'}"]
+
+
+@train_case("task file lacks a column", "notes.jsonl", "missing column(s) context", "passage")
+def _(s):
+    path = write_jsonl(s.tmp / "notes.jsonl", [{"passage": "Mary went home.", "question": "Where?", "answer": "home"}])
+    return ["--config", str(TINY), *runs(s), f"data.task=jsonl:{path}"]
+
+
+@train_case("task file: empty question", "notes.jsonl, line 3", "question is empty")
+def _(s):
+    path = write_jsonl(s.tmp / "notes.jsonl", [GOOD_ROW] * 2 + [{**GOOD_ROW, "question": " "}])
+    return ["--config", str(TINY), *runs(s), f"data.task=jsonl:{path}"]
+
+
+@train_case("task file: a number as answer", "notes.parquet, row 1", "answer must be a string", "int")
+def _(s):
+    import datasets
+
+    datasets.Dataset.from_dict({"context": [GOOD_ROW["context"]] * 2, "question": [GOOD_ROW["question"]] * 2,
+                                "answer": [1, 7]}).to_parquet(str(s.tmp / "notes.parquet"))
+    return ["--config", str(TINY), *runs(s), f"data.task=parquet:{s.tmp / 'notes.parquet'}"]
+
+
+@train_case("task file: empty CSV field", "notes.csv, line 3", "answer is empty")
+def _(s):
+    (s.tmp / "notes.csv").write_text("context,question,answer\nMary went home.,Where is Mary?,home\n"
+                                     "John left.,Who left?,\n")
+    return ["--config", str(TINY), *runs(s), f"data.task=csv:{s.tmp / 'notes.csv'}"]
+
+
+@train_case("task file: no train split", "notes.jsonl", "no train split")
+def _(s):
+    path = write_jsonl(s.tmp / "notes.jsonl", [{**GOOD_ROW, "split": "test"}] * 3)
+    return ["--config", str(TINY), *runs(s), f"data.task=jsonl:{path}"]
+
+
+@train_case("task file: context over the LM's limit", "notes.jsonl, line 2", "longer than the LM's limit of 4,096")
+def _(s):
+    path = write_jsonl(s.tmp / "notes.jsonl", [GOOD_ROW, {**GOOD_ROW, "context": "Mary went home. " * 2000}])
+    return ["--config", str(TINY), *runs(s), f"data.task=jsonl:{path}", "data.validation_fraction=0"]
+
+
+@train_case("unknown task", "data.task", "trivia")
+def _(s):
+    return ["--config", str(TINY), *runs(s), "data.task=trivia"]
 
 
 @train_case("bAbI task not shipped", "qa99", "tasks available there")
@@ -326,14 +379,32 @@ def _(s):
     return ["--ckpt", str(s.run), "--methods", "rclc:cacheback:x4"]
 
 
-@eval_case("unknown task", "'squad'")
+@eval_case("unknown task", "'trivia'")
 def _(s):
-    return ["--ckpt", str(s.run), "--tasks", "squad"]
+    return ["--ckpt", str(s.run), "--tasks", "trivia"]
 
 
 @eval_case("bAbI task not shipped", "babi:99")
 def _(s):
     return ["--ckpt", str(s.run), "--tasks", "babi:99"]
+
+
+@eval_case("task file missing", "missing.jsonl", "no such file")
+def _(s):
+    return ["--ckpt", str(s.run), "--tasks", f"jsonl:{s.tmp / 'missing.jsonl'}"]
+
+
+@eval_case("task file lacks a column", "notes.jsonl", "missing column(s) answer", "gold")
+def _(s):
+    path = write_jsonl(s.tmp / "notes.jsonl", [{"context": "Mary went home.", "question": "Where?", "gold": "home"}])
+    return ["--ckpt", str(s.run), "--tasks", f"jsonl:{path}"]
+
+
+@eval_case("task file: a line is not JSON", "notes.jsonl, line 2", "not a JSON object")
+def _(s):
+    path = s.tmp / "notes.jsonl"
+    path.write_text(json.dumps(GOOD_ROW) + "\n{context: oops\n")
+    return ["--ckpt", str(s.run), "--tasks", f"jsonl:{path}"]
 
 
 @eval_case("negative --limit", "limit", "-3")

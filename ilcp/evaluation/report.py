@@ -154,7 +154,7 @@ def _bytes(x) -> str:
 
 def _method_table(methods: dict, limit) -> list[str]:
     lines = [
-        "| method | n (limit) | exact match % [95% CI] | contains % [95% CI] | F1 % | wire bytes | tensor bytes "
+        "| method | n (limit) | exact match % [95% CI] | contains % [95% CI] | F1 % [95% CI] | wire bytes | tensor bytes "
         "| prefill positions | sender ms p50 / p99 | receiver TTFT ms p50 / p99 | handoff ms p50 / p99 | timed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -162,7 +162,7 @@ def _method_table(methods: dict, limit) -> list[str]:
         lat = m.get("latency", {})
         lines.append(
             f"| {name} | {m['n']} ({limit or 'all'}) | {_ci(m['exact_match'], m['exact_match_ci'])} "
-            f"| {_ci(m['contains'], m['contains_ci'])} | {_pct(m['f1'])} "
+            f"| {_ci(m['contains'], m['contains_ci'])} | {_ci(m['f1'], m.get('f1_ci'))} "
             f"| {_bytes(m['wire_bytes'])} | {_bytes(m['tensor_bytes'])} | {m['prefill_positions']:.1f} "
             f"| {_ms(lat.get('sender_s'), 'p50')} / {_ms(lat.get('sender_s'), 'p99')} "
             f"| {_ms(lat.get('receiver_ttft_s'), 'p50')} / {_ms(lat.get('receiver_ttft_s'), 'p99')} "
@@ -291,6 +291,25 @@ def _length_section(results: dict) -> list[str]:
     return out + [""]
 
 
+def _tasks_overview(tasks: dict) -> list[str]:
+    """With several tasks (a mix such as babi:all is reported task by task): exact match per task
+    and method in one table, then the mean over the tasks (each task weighted equally)."""
+    if len(tasks) < 2:
+        return []
+    methods = list(dict.fromkeys(name for t in tasks.values() for name in t["methods"]))
+    out = ["## Exact match % by task", "", "| task | n | " + " | ".join(f"`{m}`" for m in methods) + " |",
+           "|---|---|" + "---|" * len(methods)]
+    for task, t in tasks.items():
+        cells = [_pct(t["methods"][m]["exact_match"]) if m in t["methods"] else "-" for m in methods]
+        out.append(f"| {task}{'' if t['seen_in_training'] else ' (held out)'} | {t['n']} | " + " | ".join(cells) + " |")
+    means = []
+    for m in methods:
+        scores = [t["methods"][m]["exact_match"] for t in tasks.values() if m in t["methods"]]
+        means.append(_pct(sum(scores) / len(scores)) if len(scores) == len(tasks) else "-")
+    out += [f"| mean over {len(tasks)} tasks | | " + " | ".join(means) + " |", ""]
+    return out
+
+
 def markdown_report(results: dict) -> str:
     """The human-readable report of an `evaluate` result."""
     s = results["settings"]
@@ -306,7 +325,9 @@ def markdown_report(results: dict) -> str:
         "in all.",
         "",
         "Exact match and contains are on the normalised first line of the answer; intervals are 95% "
-        "Wilson score intervals over questions. Wire bytes: what crosses the handoff per "
+        "Wilson score intervals over questions (F1: a percentile bootstrap over questions). A task with "
+        "open-text answers (SQuAD, a user's files) is scored as SQuAD scores it: exact match and token F1 "
+        "with the official answer normalisation, the best over every accepted answer. Wire bytes: what crosses the handoff per "
         "request (ILCP: `len(payload.to_bytes())`; text methods: the context's utf-8 bytes; RCLC: the "
         "selected rows in the LM's dtype, `Delivery.nbytes`, no framing). Tensor bytes: the tensors "
         "inside it (ILCP: the latent; RCLC: the rows; text: 0). Receiver "
@@ -314,6 +335,7 @@ def markdown_report(results: dict) -> str:
         "embedding and prefill). Handoff: sender time + receiver TTFT.",
         "",
     ]
+    out += _tasks_overview(results["tasks"])
     for task, t in results["tasks"].items():
         seen = "seen in training" if t["seen_in_training"] else "held out (not seen in training)"
         out += [f"## {task} ({seen})", "",

@@ -56,13 +56,13 @@ from ..lm import LM, load_lm
 from ..pooling import context_lengths
 from ..precision import autocast, resolve
 from ..provenance import provenance
-from ..tasks import EvalTaskContext, Task, count_tokens, facts_for_length, make_facts, resolve_task
+from ..tasks import EvalRows, EvalTaskContext, Task, count_tokens, facts_for_length, make_facts, resolve_task
 from ..tasks.facts import FACTS_TEST_SIZE
 from ..io import atomic_write_json, atomic_write_text
 from ..engines.vllm import VLLMDecoder, require_vllm
 from ..eval_config import EvalConfig
 from .decoders import THROUGHPUT_METHODS, compare, receiver_throughput, require_engine, start_vllm, vllm_unavailable
-from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N
+from ..names import DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_THROUGHPUT_N, split_task_names
 from .rclc_methods import SenderStates, sender_states
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 from .report import accepted_answers, accuracy_summary, latency_summary, write_report
@@ -316,7 +316,7 @@ def _training_tasks(train_task: str) -> list[Task]:
 def _resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False) -> list[Task]:
     """The run's training tasks (unless ``only_extra``), then each of ``extra`` (a mix as its tasks)."""
     if isinstance(extra, str):
-        extra = [t for t in extra.split(",") if t.strip()]
+        extra = split_task_names(extra)
     specs = [] if only_extra else _training_tasks(train_task)
     for name in extra:
         specs += parse_task(name).parts()
@@ -494,9 +494,11 @@ def evaluate(
         "skipped": session.skipped,
     }
     predictions: dict[str, tuple[list[dict], dict[str, list[str]], dict[str, list[str]]]] = {}
+    # Every task's rows first: a bad file is refused before anything is evaluated or written.
+    built = {spec.name: spec.eval_rows(config.limit, session.task_context) for spec in session.tasks}
     with autocast(session.precision, lm.device):  # every forward of every method at the run's precision
         for spec in session.tasks:
-            results["tasks"][spec.name], predictions[spec.name] = evaluate_task(session, spec)
+            results["tasks"][spec.name], predictions[spec.name] = evaluate_task(session, spec, built[spec.name])
         results["agreement"] = engine_agreement(session, results["tasks"])
         results["throughput"] = throughput_table(session)
         results["context_length"] = context_length_sweep(session)
@@ -508,16 +510,18 @@ def evaluate(
     return results
 
 
-def evaluate_task(session: EvalSession, spec: Task) -> tuple[dict, tuple[list[dict], dict, dict]]:
+def evaluate_task(session: EvalSession, spec: Task,
+                  built: EvalRows | None = None) -> tuple[dict, tuple[list[dict], dict, dict]]:
     """Accuracy (batched, HF and with engine="vllm" vLLM too) and latency (unbatched, the first
-    ``latency_n`` rows) of every bound method on one task's test split.
+    ``latency_n`` rows) of every bound method on one task's test split (``built``: its rows, when
+    already built).
 
     Returns:
         (the task's entry of results["tasks"], (rows, HF predictions by method, vLLM predictions by
         method)) for predictions.jsonl.
     """
     cfg, say = session.config, session.say
-    built = spec.eval_rows(cfg.limit, session.task_context)
+    built = built or spec.eval_rows(cfg.limit, session.task_context)
     rows, available, source = built.rows, built.available, built.source
     seen = spec.name in session.trained_on
     say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "

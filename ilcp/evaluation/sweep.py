@@ -118,6 +118,7 @@ from ..handoff import ILCPHandoff
 from ..io import atomic_write_json, atomic_write_text
 from ..lm import load_lm
 from ..names import PAYLOAD_DTYPES as DTYPES
+from ..names import split_task_names
 from ..tasks import make_facts
 from .registry import expand_method_names, make_method
 from .report import selection_curves
@@ -271,7 +272,7 @@ def _eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
     defaults = EvalSettings()
     tasks = raw.get("tasks", list(defaults.tasks)) or []
     if isinstance(tasks, str):
-        tasks = [t for t in tasks.split(",") if t.strip()]
+        tasks = split_task_names(tasks)
     if not isinstance(tasks, list):
         raise SweepError(f"{where}: eval.tasks must be a list of task names, got {tasks!r}")
     for t in tasks:
@@ -367,7 +368,7 @@ def _selection(raw, where: Path, settings: EvalSettings,
                          "budget curves (list other methods under reference)")
     tasks = raw.get("tasks", list(settings.tasks))
     if isinstance(tasks, str):
-        tasks = [t for t in tasks.split(",") if t.strip()]
+        tasks = split_task_names(tasks)
     if (not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks)
             or not {t.strip() for t in tasks} <= set(settings.tasks)):
         raise SweepError(f"{where}: selection.tasks must be a list drawn from eval.tasks {list(settings.tasks)}, "

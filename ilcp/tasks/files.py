@@ -32,6 +32,7 @@ import csv
 import hashlib
 import json
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,32 +124,42 @@ def _check_exists(fmt: str, path: Path) -> None:
         raise TaskFormatError(f"{path}: no such file" + (" (it is a folder)" if path.is_dir() else ""))
 
 
-def _read(fmt: str, path: Path) -> datasets.Dataset | datasets.DatasetDict:
-    """The file's rows through `datasets`; a reading error is one line naming the file."""
+def _read(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datasets.Dataset | datasets.DatasetDict:
+    """The file's rows through `datasets`; a reading error is one line naming the file.
+
+    CSV fields are read as text, never as numbers or missing values ("3e-4" stays "3e-4"). In JSON
+    Lines a column that holds strings on some lines and lists on others (``list_columns``: the
+    answer column) would make pyarrow give up and pandas guess types (turning "3e-4" into a
+    float), so such a file is read with every value of those columns as a list."""
     _check_exists(fmt, path)
     try:
-        with _quiet():
+        with _quiet(), tempfile.TemporaryDirectory(prefix="ilcp-task-") as tmp:
             if fmt == "disk":
                 return datasets.load_from_disk(str(path))
+            if fmt == "csv":
+                text = datasets.Features({name: datasets.Value("string") for name in _csv_header(path)})
+                return datasets.load_dataset("csv", data_files=str(path), split="train", features=text,
+                                             na_filter=False)
+            if fmt == "jsonl" and _mixed_json_columns(path, list_columns):
+                path = _listed_json(path, list_columns, Path(tmp))
             return datasets.load_dataset(FORMATS[fmt], data_files=str(path), split="train")
+    except TaskFormatError:
+        raise
     except Exception as e:  # noqa: BLE001  datasets / pyarrow raise many kinds for a malformed file
         raise TaskFormatError(_read_error(fmt, path, e)) from None
 
 
-def _read_error(fmt: str, path: Path, error: Exception) -> str:
-    if fmt == "jsonl":
-        bad = _first_bad_json_line(path)
-        if bad is not None:
-            return f"{path}, line {bad[0]}: not a JSON object ({bad[1]})"
-    cause = error.__cause__ or error.__context__ or error
-    what = " ".join(str(cause).split())[:200] or type(cause).__name__
-    kind = {"disk": "a folder written by datasets' save_to_disk", "jsonl": "JSON Lines", "csv": "CSV",
-            "parquet": "Parquet"}[fmt]
-    return f"{path}: not readable as {kind}: {what}"
+def _csv_header(path: Path) -> list[str]:
+    """The column names of a CSV file's first record (so every column is read as text)."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        header = next(csv.reader(handle), None)
+    if not header:
+        raise TaskFormatError(f"{path}: empty, or no header line")
+    return header
 
 
-def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    """(line number, problem) of the first non-blank line that is not a JSON object."""
+def _json_lines(path: Path):
+    """(line number, object) of each non-blank line; TaskFormatError at the first bad one."""
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -156,10 +167,48 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
             try:
                 value = json.loads(line)
             except ValueError as e:
-                return number, str(e)
+                raise TaskFormatError(f"{path}, line {number}: not a JSON object ({e})") from None
             if not isinstance(value, dict):
-                return number, f"got {type(value).__name__}"
-    return None
+                raise TaskFormatError(f"{path}, line {number}: not a JSON object (got {type(value).__name__})")
+            yield number, value
+
+
+def _mixed_json_columns(path: Path, columns: tuple[str, ...]) -> bool:
+    """Whether any of ``columns`` holds a list on one line and something else on another."""
+    kinds = {column: set() for column in columns}
+    for _, value in _json_lines(path):
+        for column in columns:
+            if column in value:
+                kinds[column].add(isinstance(value[column], list))
+    return any(len(k) > 1 for k in kinds.values())
+
+
+def _listed_json(path: Path, columns: tuple[str, ...], folder: Path) -> Path:
+    """A copy of a JSON Lines file, line for line (blank lines kept, so line numbers hold), with each
+    string of ``columns`` wrapped in a list."""
+    out = folder / path.name
+    with open(path, encoding="utf-8", errors="replace") as handle, open(out, "w", encoding="utf-8") as copy:
+        for line in handle:
+            if not line.strip():
+                copy.write("\n")
+                continue
+            value = json.loads(line)
+            for column in columns:
+                if isinstance(value.get(column), str):
+                    value[column] = [value[column]]
+            copy.write(json.dumps(value, ensure_ascii=False) + "\n")
+    return out
+
+
+def _read_error(fmt: str, path: Path, error: Exception) -> str:
+    if fmt == "jsonl":
+        for _ in _json_lines(path):  # TaskFormatError at the first line that is not a JSON object
+            pass
+    cause = error.__cause__ or error.__context__ or error
+    what = " ".join(str(cause).split())[:200] or type(cause).__name__
+    kind = {"disk": "a folder written by datasets' save_to_disk", "jsonl": "JSON Lines", "csv": "CSV",
+            "parquet": "Parquet"}[fmt]
+    return f"{path}: not readable as {kind}: {what}"
 
 
 def _line_numbers(fmt: str, path: Path, n_rows: int) -> list[int] | None:
@@ -311,7 +360,7 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
     given: dict[str, list[tuple[dict, _Row]]] = {}
     stem = source.paths[0][1].stem or "row"
     for part, path in source.paths:
-        data = _read(source.fmt, path)
+        data = _read(source.fmt, path, (columns.get("answer", "answer"),))
         label = _label(path)
         if isinstance(data, datasets.DatasetDict):
             unknown = [s for s in data if s not in SPLITS]
@@ -408,6 +457,9 @@ class FileTask(Task):
     def check_evaluable(self) -> None:
         for _, path in self.source.paths:
             _check_exists(self.source.fmt, path)
+
+    def check_trainable(self) -> None:
+        self.check_evaluable()
 
 
 @register_task("files")

@@ -1,9 +1,10 @@
 """One registry of task names: train, eval and the sweep resolve every name through `resolve_task`.
 
-A source registers once (`register_task`) with the pattern of its names and a function that turns
-a matching name into a `Task`: the canonical name, the single tasks a mix is reported as, whether
-its answers are open text, how to load a split, its cache key and what training and eval pass to
-the loader.
+A source registers once (`register_task`) a function that turns a name into a `Task`: the
+canonical name, the single tasks a mix is reported as, whether its answers are open text, how to
+load a split, its cache key and what training and eval pass to the loader. The names a source
+takes are its pattern in ``ilcp.names.TASK_NAMES`` (there so configs check a name without
+importing `datasets`); a test checks that every pattern has its source registered.
 
     from ilcp.tasks import resolve_task
     task = resolve_task("babi-qa1")        # Task "babi:1"
@@ -77,6 +78,11 @@ class Task:
 
     def check_evaluable(self) -> None:
         """Raise ValueError if eval cannot read this task (checked before the LM loads)."""
+
+    def check_trainable(self) -> None:
+        """Raise ValueError if training cannot read this task (checked before the LM loads)."""
+        if not self.trainable:
+            raise ValueError(f"task {self.name!r} is for evaluation only")
 
     def __repr__(self) -> str:
         return f"Task({self.name!r})"

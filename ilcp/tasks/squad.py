@@ -1,8 +1,9 @@
 """``squad``: a reading-comprehension subset of SQuAD v1.1 (Rajpurkar et al. 2016, CC BY-SA 4.0)
-that ships in ``data/squad`` (its README gives the licence, the source and the recipe,
-scripts/build_squad.py). Built from the official training file and split by Wikipedia article, so
-no article is in two splits; every annotator answer is an accepted answer. Read as a file task
-(one JSON Lines file per split) and scored with SQuAD's exact match and F1."""
+shipped in ``data/squad`` (its README and SOURCE.md give the licence, the source and the recipe,
+scripts/build_squad.py): 3,004 / 308 / 506 questions from the v1.1 training set, split by
+Wikipedia article so that no article is in two splits; every answer the set gives a question is an
+accepted answer (one per question in the training set). Read as a file task (one JSON Lines file
+per split) and scored as SQuAD scores it (exact match and F1, ``open_answers``)."""
 
 from __future__ import annotations
 

@@ -39,8 +39,7 @@ def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_token
     """(rows as a list of dicts, task key for the cache) of the configured task; ``tokenizer``:
     the LM's; ``max_tokens``: the LM's limit where contexts must fit it whole (no configured cut)."""
     task = resolve_task(cfg.data.task)
-    if not task.trainable:
-        raise ValueError(f"task {task.name!r} is for evaluation only")
+    task.check_trainable()
     kwargs = task_kwargs(cfg, split, size, tokenizer, max_tokens)
     ds = task.load(split, **kwargs)
     return ds.to_list(), task.config_key(split, **kwargs)
