@@ -1,4 +1,4 @@
-"""Where the datasets the package ships are read from.
+"""Where the datasets the package ships are read from, and where caches are written.
 
 The repository keeps them in its top-level ``data/`` folder (bAbI, the background prose, the SQuAD
 subset, an example file in the user format), each with its licence and source. A wheel installs
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 DATA_DIR_ENV = "ILCP_DATA_DIR"
+CACHE_ENV = "ILCP_CACHE"
 _PACKAGE = Path(__file__).resolve().parent
 
 
@@ -24,3 +25,10 @@ def data_root() -> Path:
     if (checkout / "babi").is_dir():
         return checkout
     return _PACKAGE / "data"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models, pooled states and prepared task files live: ``$ILCP_CACHE`` or
+    ``~/.cache/ilcp``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ilcp"

