@@ -597,3 +597,50 @@ def test_the_shipped_squad_task(squad_splits):
                    for r in rows)
         assert {r["task"] for r in rows} == {"squad"}
     assert resolve_task("squad").open_answers is True
+
+
+def test_the_sweep_reads_file_task_names_through_the_registry(tmp_path):
+    """A sweep's eval.tasks takes a file task (a per-split list keeps its commas) and refuses a
+    missing file in one line."""
+    from ilcp.evaluation.sweep import SweepError, _eval_settings
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text(json.dumps({"context": "c", "question": "q", "answer": "a"}) + "\n")
+    where = tmp_path / "sweep.yaml"
+    settings = _eval_settings({"tasks": f"babi:2,jsonl:train={notes},test={notes}"}, where, None)
+    assert settings.tasks == ("babi:2", f"jsonl:train={notes},test={notes}")
+    with pytest.raises(SweepError, match="missing.jsonl: no such file"):
+        _eval_settings({"tasks": [f"jsonl:{tmp_path / 'missing.jsonl'}"]}, where, None)
+
+
+def test_a_run_trains_and_evaluates_on_a_file_of_its_own(tmp_path, tiny_lm):
+    """train on a user's JSON Lines file with another column naming, then evaluate its carved test
+    split and a second file: the export records the mapping and the split settings, eval reads both
+    files with them and scores them as SQuAD does (F1 with an interval)."""
+    from ilcp.config import load_config
+    from ilcp.evaluation.run import evaluate
+    from ilcp.training import train
+
+    rows = [{"passage": f"Item {i} is kept in box {i % 7}.", "question": f"Where is item {i}?",
+             "gold": [f"box {i % 7}", f"in box {i % 7}"], "note": "ignored"} for i in range(60)]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"out_dir={tmp_path / 'runs'}", f"data.task=jsonl:{mine}", "data.columns.context=passage",
+        "data.columns.answer=gold", "data.test_fraction=0.2", "run_name=mine"])
+    result = train(cfg, lm=tiny_lm)
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["task"] == f"jsonl:{mine}"
+    assert config["task_settings"]["columns"] == {"context": "passage", "answer": "gold"}
+    assert config["task_settings"]["test_fraction"] == 0.2
+    results = evaluate(result.run_dir, lm=tiny_lm, tasks=[f"jsonl:test={other},train={other}"], limit=None,
+                       latency_n=0, lengths=[], methods=["no_context", "cold_read"])
+    test = load_task(f"jsonl:{mine}", "test", columns={"context": "passage", "answer": "gold"}, test_fraction=0.2)
+    own = results["tasks"][f"jsonl:{mine}"]
+    assert own["seen_in_training"] and own["n"] == len(test) == 12  # 12 of 60 contexts carved for test
+    for method in own["methods"].values():
+        assert method["scoring"] == "squad" and len(method["f1_ci"]) == 2
+    held_out = results["tasks"][f"jsonl:train={other},test={other}"]
+    assert not held_out["seen_in_training"] and held_out["n"] == 5
