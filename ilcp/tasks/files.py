@@ -47,7 +47,6 @@ REQUIRED = ("context", "question", "answer")
 OPTIONAL = ("id",)
 # Bump when the same files and settings would give other rows.
 FILES_VERSION = 1
-_SPLIT_ALIASES = {"train": "train", "validation": "validation", "test": "test"}
 
 
 @dataclass(frozen=True)
@@ -63,16 +62,7 @@ class FileSource:
             return f"{self.fmt}:{self.paths[0][1]}"
         return f"{self.fmt}:" + ",".join(f"{split}={path}" for split, path in self.paths)
 
-    @property
-    def per_split(self) -> bool:
-        return self.paths[0][0] != "all"
-
-
 _NAME = re.compile(r"(jsonl|csv|parquet|disk):(.+)\Z", re.DOTALL)
-
-
-def is_file_name(name) -> bool:
-    return isinstance(name, str) and _NAME.match(name.strip()) is not None
 
 
 def parse_file_name(name: str) -> FileSource:
@@ -84,13 +74,13 @@ def parse_file_name(name: str) -> FileSource:
     if not spec:
         raise ValueError(f"task {name!r} names no file")
     parts = [part.strip() for part in spec.split(",")]
-    if all("=" in part and part.split("=", 1)[0].strip() in _SPLIT_ALIASES for part in parts):
+    if all("=" in part and part.split("=", 1)[0].strip() in SPLITS for part in parts):
         paths = []
         for part in parts:
             split, path = (s.strip() for s in part.split("=", 1))
             if not path:
                 raise ValueError(f"task {name!r}: split {split!r} names no file")
-            paths.append((_SPLIT_ALIASES[split], Path(path)))
+            paths.append((split, Path(path)))
         splits = [split for split, _ in paths]
         if len(set(splits)) != len(splits):
             raise ValueError(f"task {name!r} names a split twice")
@@ -322,10 +312,6 @@ def _carve(rows: list[tuple[dict, _Row]], validation_fraction: float, test_fract
     return out
 
 
-def _label(path: Path) -> str:
-    return str(path)
-
-
 def load_files(name: str, split: str, *, columns: dict | None = None, validation_fraction: float = 0.1,
                test_fraction: float = 0.1, seed: int = 0, limit: int | None = None, tokenizer=None,
                max_tokens: int | None = None) -> datasets.Dataset:
@@ -368,7 +354,7 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
     stem = source.paths[0][1].stem or "row"
     for part, path in source.paths:
         data = _read(source.fmt, path, (columns.get("answer", "answer"),))
-        label = _label(path)
+        label = str(path)
         if isinstance(data, datasets.DatasetDict):
             unknown = [s for s in data if s not in SPLITS]
             if unknown:
