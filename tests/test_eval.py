@@ -169,8 +169,8 @@ def test_bad_arguments_are_clear_errors(run_dir, tmp_path, monkeypatch, capsys):
         evaluate(tmp_path / "missing")
     with pytest.raises(ValueError, match="unknown method 'telepathy'"):
         evaluate(run_dir, methods=["ilcp", "telepathy"])
-    with pytest.raises(ValueError, match="unknown task 'squad'"):
-        evaluate(run_dir, tasks=["squad"])
+    with pytest.raises(ValueError, match="unknown task 'trivia'"):
+        evaluate(run_dir, tasks=["trivia"])
     with pytest.raises(ValueError, match="babi:4"):  # no such file in the vendored bAbI tasks
         evaluate(run_dir, tasks=["babi:4"])
     with pytest.raises(ValueError, match="limit"):
