@@ -127,7 +127,7 @@ def test_every_shipped_config_parses(path):
         ("handoff.variants=[ilcp,text]", "handoff.variants"),
         ("compressor.latent_dim=0", "compressor.latent_dim"),
         ("compressor.beta=-1", "compressor.beta"),
-        ("data.task=squad", "data.task"),
+        ("data.task=trivia", "data.task"),
         ("lm.dtype=int8", "lm.dtype"),
         ("handoff.lr=fast", "handoff.lr"),
         ("handoff.unknown=1", "handoff.unknown"),
