@@ -258,10 +258,13 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
 def test_facts_heldout_task_asks_only_values_training_never_used():
     from ilcp.tasks import FACT_VOCABULARIES, fact_values
 
+    from ilcp.tasks import EvalTaskContext
+
     spec = eval_run.parse_task("facts-heldout")
-    assert spec.is_facts and spec.value_split == "heldout"
+    assert spec.needs_facts_settings and spec.value_split == "heldout" and not spec.trainable
     settings = {"n_facts": 2, "n_distractors": 0, "seed": 0, "value_split": "train"}
-    rows, _, desc = eval_run._task_rows(spec, 40, settings)
+    built = spec.eval_rows(40, EvalTaskContext(facts_settings=settings))
+    rows, desc = built.rows, built.source
     heldout = {v for vocab in FACT_VOCABULARIES for v in fact_values(vocab, "heldout")}
     train_answers = {r["answer"] for r in make_facts(400, split="train", n_facts=2, value_split="train").to_list()}
     assert "held-out values" in desc and len(rows) == 40

@@ -14,6 +14,7 @@ import torch
 from ilcp import rclc
 from ilcp.decoding import assemble_prefix, greedy_decode
 from ilcp.evaluation import run as eval_run
+from ilcp.tasks import BabiTask, EvalRows
 from ilcp.evaluation.registry import EvalContext, expand_method_names, make_method, method_groups
 from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_name, receiver_framing
 from ilcp.evaluation.run import evaluate
@@ -307,7 +308,7 @@ def test_rows_sharing_sender_states_build_each_once_under_a_tight_position_bound
     framing = receiver_framing(tiny_lm.tokenizer)
     lengths += [len(tiny_lm.tokenizer(framing.lead + r["context"].strip())["input_ids"]) for r in rows]
     monkeypatch.setattr(rclc_methods, "SenderStates", Tight)
-    monkeypatch.setattr(eval_run, "_task_rows", lambda spec, limit, *a: (rows, 5, "test"))
+    monkeypatch.setattr(BabiTask, "eval_rows", lambda self, limit, context: EvalRows(rows, 5, "test"))
     notes = []
     together = evaluate(run_dir, methods=names, limit=5, latency_n=0, lm=tiny_lm, log=notes.append, **FAST)
     assert any("5 methods share each context's sender state" in n for n in notes)
