@@ -333,11 +333,16 @@ class BabiTask(Task):
                         f"bAbI en test file {babi_file(number, 'test', variant='en').name}")
 
     def check_evaluable(self) -> None:
-        for number in babi_task_numbers(self._tasks()):
-            try:
-                babi_file(number, "test", variant="en")
-            except (FileNotFoundError, ValueError) as e:
-                raise ValueError(f"task {self.name!r}: {e}") from None
+        check_test_files(self.name, babi_task_numbers(self._tasks()))
+
+
+def check_test_files(task: str, numbers) -> None:
+    """ValueError naming ``task`` unless every bAbI task of ``numbers`` has its ``en`` test file."""
+    for number in numbers:
+        try:
+            babi_file(number, "test", variant="en")
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"task {task!r}: {e}") from None
 
 
 @register_task("babi")

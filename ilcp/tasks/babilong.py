@@ -10,7 +10,7 @@ import os
 
 from ..babilong import (GENERATOR_VERSION, BabilongTask, background_key, babilong_context, length_label,
                         parse_babilong_name, story_sentences, tokenizer_key)
-from .babi import babi_file, load_babi
+from .babi import babi_file, check_test_files, load_babi
 from .base import check_limit, check_split, interleave, source_key, to_dataset
 from .registry import EvalTaskContext, EvalRows, Task, register_task
 
@@ -159,11 +159,7 @@ class BabilongTaskEntry(Task):
         return EvalRows(rows, available, desc)
 
     def check_evaluable(self) -> None:
-        for number in self.parsed.numbers:
-            try:
-                babi_file(number, "test", variant="en")
-            except (FileNotFoundError, ValueError) as e:
-                raise ValueError(f"task {self.name!r}: {e}") from None
+        check_test_files(self.name, self.parsed.numbers)
 
 
 @register_task("babilong")
