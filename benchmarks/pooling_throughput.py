@@ -14,7 +14,7 @@ import time
 import torch
 
 from ilcp.lm import DEFAULT_LM, load_lm
-from ilcp.pooling import pooled_states
+from ilcp.training.extraction import pooled_states
 from ilcp.tasks import make_facts
 
 

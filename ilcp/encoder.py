@@ -31,12 +31,10 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
-from .names import POOLING_KINDS, SNAP_METRICS, VOCABULARY_SNAPS  # noqa: F401  (the kinds ilcp.memory_kinds registers)
-from .pooling import AttentionPooler, ConcatPooler, masked_mean_pool
+from .names import SNAP_METRICS, VOCABULARY_SNAPS
+from .pooling import ConcatPooler, Pooler, pool_states, pool_units, split_chunks
 from .projector import GatedLatentToMemoryProjector
 from .prompts import MEMORY_PLACEMENTS
-
-Pooler = AttentionPooler | ConcatPooler
 
 
 class ILCPEncoder(nn.Module):
@@ -325,54 +323,6 @@ def snap_to_vocabulary(vectors: Tensor, table: Tensor, inverse_norms: Tensor, mo
         hard = F.one_hot(scores.argmax(-1), table.shape[0]).to(weights.dtype)
         weights = hard + weights - weights.detach()
     return (weights.to(table.dtype) @ table).float()
-
-
-def pool_states(pooler: Pooler | None, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Token states (B, S, D) with their mask (B, S) -> pooled (B, D') float32: the masked mean
-    (pooler None) or the attention pooler's output.
-
-    Mean-pooled states computed ahead of time, (B, D) with no mask, pass through; an attention
-    pooler needs the token states.
-    """
-    if attention_mask is None:
-        if states.dim() != 2:
-            raise ValueError(f"token states (batch, seq, dim) need their attention mask, got {tuple(states.shape)}")
-        if pooler is not None:
-            raise ValueError(f"this encoder pools with {pooler.kind}: give it token states and their mask, not pooled states")
-        return states.float()
-    if pooler is not None:
-        return pooler(states, attention_mask)
-    return masked_mean_pool(states, attention_mask).float()
-
-
-def split_chunks(states: Tensor, attention_mask: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded token states cut into consecutive chunks of `chunk_tokens`.
-
-    Args:
-        states: (B, S, D); attention_mask: (B, S), real tokens first in each row.
-    Returns:
-        (chunk states (B * N, C, D), chunk mask (B * N, C), real (B, N) bool), N = ceil(S / C).
-    """
-    if attention_mask is None:
-        raise ValueError("one latent per chunk needs the token states and their mask, not pooled states")
-    b, s, d = states.shape
-    n = max(1, -(-s // chunk_tokens))
-    pad = n * chunk_tokens - s
-    if pad:
-        states = torch.cat([states, states.new_zeros((b, pad, d))], dim=1)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((b, pad))], dim=1)
-    chunk_mask = attention_mask.reshape(b * n, chunk_tokens)
-    return states.reshape(b * n, chunk_tokens, d), chunk_mask, chunk_mask.reshape(b, n, chunk_tokens).bool().any(-1)
-
-
-def pool_units(pooler: Pooler | None, chunk_tokens: int, states: Tensor,
-               attention_mask: Tensor | None = None) -> Tensor:
-    """Pooled states of every latent unit: contexts (B, D'), or with ``chunk_tokens > 0`` the
-    chunks that hold a token (U, D'), row-major."""
-    if chunk_tokens <= 0:
-        return pool_states(pooler, states, attention_mask)
-    chunk_states, chunk_mask, real = split_chunks(states, attention_mask, chunk_tokens)
-    return pool_states(pooler, chunk_states, chunk_mask)[real.reshape(-1)]
 
 
 def sender_states_of(batch: dict) -> tuple[Tensor, Tensor | None]:

@@ -52,7 +52,7 @@ from .encoder import ConstantMemory, ILCPEncoder, MemorySource
 from .encoder_config import EncoderSpec, ExportError
 from .checks import check_key
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from .memory_kinds import config_value, pooling_kinds
+from .memory_kinds import config_value
 
 EXPORT_FORMAT = "ilcp-export"
 EXPORT_VERSION = EncoderSpec.VERSION
@@ -157,11 +157,6 @@ def load_trained_state(source: MemorySource, state: dict[str, Tensor], *, origin
 # writing
 
 
-def encoder_config(encoder: ILCPEncoder, *, layers, max_length: int) -> dict:
-    """The config.json entries that rebuild `encoder` (`EncoderSpec.to_config`; see `build_encoder`)."""
-    return EncoderSpec.from_encoder(encoder, layers, max_length).to_config()
-
-
 def task_settings(data) -> dict:
     """What the training task records beyond the common settings so eval rebuilds its test split
     (a file task's column names and split fractions; nothing for the built-in tasks)."""
@@ -171,10 +166,11 @@ def task_settings(data) -> dict:
 
 
 def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precision: str = "32-true",
-               key: bytes | None = None) -> Path:
+               key: bytes | None = None, *, max_length: int) -> Path:
     """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring);
     ``precision`` is the compute precision the run trained at (`ilcp.precision`), which its
-    receivers use by default; with ``key``, config.json is signed (`sign_config`)."""
+    receivers use by default; ``max_length`` the context tokens its sender read (``data.max_length``
+    resolved against the LM); with ``key``, config.json is signed (`sign_config`)."""
     run_dir = cfg.run_dir
     files = {}
     digests = {}
@@ -201,26 +197,27 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
         "train_config": "train_config.yaml",
         "metrics": "metrics.json",
     }
-    if "ilcp" in sources:
-        config.update(encoder_config(sources["ilcp"], layers=d.pool_layers, max_length=d.max_length))
-    atomic_write_text(run_dir / CARD_FILE, model_card(config, metrics))
+    spec = EncoderSpec.from_encoder(sources["ilcp"], d.pool_layers, max_length) if "ilcp" in sources else None
+    if spec is not None:
+        config.update(spec.to_config())
+    atomic_write_text(run_dir / CARD_FILE, model_card(config, spec, metrics))
     atomic_write_json(run_dir / CONFIG_FILE, config if key is None else sign_config(config, key))
     return run_dir
 
 
-def model_card(config: dict, metrics: dict | None = None) -> str:
-    """A short README for an export: what it is, for which LM, how well it did, how to load it."""
+def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = None) -> str:
+    """A short README for an export: what it is, for which LM, how well it did, how to load it
+    (``spec``: its encoder's settings, None without an encoder)."""
     lm = config["lm"]
     lines = [f"# ilcp export: {config.get('task', 'unknown task')}", "",
              f"Trained with ilcp {config.get('package_version')} for the frozen LM `{lm['spec']}` "
              f"(fingerprint `{lm['fingerprint']}`, {lm.get('dtype', 'float32')}); another LM is refused.", ""]
-    if "latent_dim" in config:
-        pooling = config["pooling"]
-        per = (f"one per {pooling['chunk_tokens']} context tokens" if pooling.get("chunk_tokens")
-               else "one per context")
-        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {pooling['kind']} pooling of layers "
-                  f"{pooling['layers']}, latents of {config['latent_dim']} floats ({per}), each read as "
-                  f"{config['num_memory_tokens']} memory vectors."]
+    if spec is not None:
+        chunks = spec.memory.chunk_tokens
+        per = f"one per {chunks} context tokens" if chunks else "one per context"
+        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {spec.memory.pooling_entries()['kind']} pooling "
+                  f"of layers {list(spec.layers)}, latents of {spec.latent_dim} floats ({per}), each read as "
+                  f"{spec.num_memory_tokens} memory vectors."]
     for name in BASELINES:
         if name in config.get("files", {}):
             lines.append(f"- {name} ({config['files'][name]}): {config['num_memory_tokens']} learned vectors.")
@@ -240,29 +237,35 @@ def model_card(config: dict, metrics: dict | None = None) -> str:
 
 def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path, key: bytes | None = None) -> Path:
     """Write one encoder as an export (config.json + model.safetensors) into `path`; `config` is
-    an export config (its lm, task and pooling entries are kept); with ``key``, config.json is
-    signed (`sign_config`).
+    an export config: its lm and task entries are kept, its encoder's entries become `encoder`'s
+    own, read with the layers and max_length `config` names (which the module does not hold);
+    with ``key``, config.json is signed (`sign_config`).
 
     Raises:
         FileExistsError: `path` is a file, or a folder whose config.json is not an earlier save of
             this kind (a training run, whose other weights it would drop, or a model's own
             folder); nothing is written then.
+        ExportError: `config` lacks pooling.layers or pooling.max_length (or holds a bad one).
     """
     path = Path(path)
+    try:  # the two settings the module does not hold; every other entry is the encoder's own
+        layers = config_value(config, "pooling.layers", list)
+        max_length = config_value(config, "pooling.max_length", int, minimum=1)
+    except ValueError as e:
+        raise ExportError(f"save_encoder's config: {e}") from None
+    spec = EncoderSpec.from_encoder(encoder, layers, max_length)
     _check_save_target(path)
     atomic_save_safetensors(encoder_state(encoder), path / MODEL_FILE, {"format": "pt"})
     config = json.loads(json.dumps(config))
-    pooling = config.get("pooling", {})
-    layers, max_length = pooling.get("layers", [-1]), pooling.get("max_length", 512)
     for entry in EncoderSpec.config_keys():  # the encoder's entries are written anew: none of the old one's stays
         config.pop(entry, None)
-    config.update(encoder_config(encoder, layers=layers, max_length=max_length))
+    config.update(spec.to_config())
     config["files"] = {"ilcp": MODEL_FILE}
     config["digests"] = {MODEL_FILE: file_digest(path / MODEL_FILE)}
     config["package_version"] = __version__
     for entry in ("train_config", "metrics", SIGNATURE):  # files of a training run, and the old signature
         config.pop(entry, None)
-    atomic_write_text(path / CARD_FILE, model_card(config))
+    atomic_write_text(path / CARD_FILE, model_card(config, spec))
     atomic_write_json(path / CONFIG_FILE, config if key is None else sign_config(config, key))
     return path
 
@@ -329,21 +332,17 @@ def _check_save_target(path: Path) -> None:
 # reading
 
 
-def pooling_kind(config: dict) -> str:
-    """The export's pooling kind, one a registered memory kind reads ("mean", "attention", "concat")."""
-    kind = config.get("pooling", {}).get("kind", "mean")
-    if kind not in pooling_kinds():
-        raise ExportError(f"unknown pooling kind {kind!r} in config.json "
-                          f"(this package reads {', '.join(pooling_kinds())})")
-    return kind
-
-
 def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, source: str = "the weights",
                   where: str | Path = CONFIG_FILE) -> ILCPEncoder:
     """The `ILCPEncoder` an export's config describes (`EncoderSpec.from_config(config).build`),
     with `state`'s weights when given, in eval mode."""
+    return _build(EncoderSpec.from_config(config, where), config["lm"]["hidden_size"], state, source, where)
+
+
+def _build(spec: EncoderSpec, hidden_size: int, state: dict[str, Tensor] | None, source: str,
+           where: str | Path) -> ILCPEncoder:
     try:
-        encoder = EncoderSpec.from_config(config, where).build(config["lm"]["hidden_size"])
+        encoder = spec.build(hidden_size)
     except ExportError:
         raise
     except ValueError as e:  # settings that pass one by one but do not fit together (widths)
@@ -355,10 +354,15 @@ def build_encoder(config: dict, state: dict[str, Tensor] | None = None, *, sourc
 
 @dataclass
 class ExportedRun:
-    """The trained memory sources of one export, on the CPU in float32."""
+    """The trained memory sources of one export, on the CPU in float32.
+
+    ``spec`` holds every setting of the encoder (None when the export has none); ``config`` is
+    config.json as read, for the run's own entries (lm, task, task_settings, files).
+    """
 
     path: Path
     config: dict
+    spec: EncoderSpec | None = None
     encoder: ILCPEncoder | None = None
     soft_prompts: dict[str, Tensor] = field(default_factory=dict)  # baseline name -> (K, H)
 
@@ -467,7 +471,8 @@ def read_export(path: str | Path, key: bytes | None = None) -> ExportedRun:
     for name, fname in config["files"].items():
         state = _read_weights(path, fname, digests)
         if name == "ilcp":
-            run.encoder = build_encoder(config, state, source=str(path / fname), where=path / CONFIG_FILE)
+            run.spec = EncoderSpec.from_config(config, path / CONFIG_FILE)
+            run.encoder = _build(run.spec, config["lm"]["hidden_size"], state, str(path / fname), path / CONFIG_FILE)
         else:
             shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
             run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)

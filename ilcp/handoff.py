@@ -39,8 +39,10 @@ from torch import Tensor, nn
 from .checks import positive_int, text_input
 from .decoding import greedy_decode
 from .encoder import ILCPEncoder
-from .export import ExportError, ExportedRun, check_fingerprint, pooling_kind, read_export, save_encoder
+from .encoder_config import EncoderSpec
+from .export import ExportError, ExportedRun, check_fingerprint, read_export, save_encoder
 from .lm import LM, load_lm
+from .memory_kinds import memory_kind_of
 from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
 from .precision import autocast, resolve
 from .prefix import receiver_prefix
@@ -70,7 +72,8 @@ class ILCPHandoff:
     Args:
         lm: the frozen LM bundle (model, tokenizer, spec) both agents run.
         encoder: the trained `ILCPEncoder` (pooler, beta-VAE, projector) of the export.
-        config: the export's config.json as a dict (pooling settings, sizes, LM fingerprint).
+        config: the export's config.json as a dict: its LM entries (fingerprint, precision) and the
+            encoder's settings, read once into `spec` (`ilcp.encoder_config.EncoderSpec`).
         device: where the encoder runs; default the LM's device.
         payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
             absmax with a float32 scale; see `ilcp.transport`).
@@ -87,7 +90,8 @@ class ILCPHandoff:
         precision: compute precision (`ilcp.precision`); default the config's ``lm.precision``.
 
     Raises:
-        ExportError: the config was made for another LM, or the encoder does not fit it.
+        ExportError: the config was made for another LM, its encoder settings do not read, or the
+            encoder does not fit them.
         ValueError: an unknown payload dtype.
 
     Prefer `from_pretrained`; the constructor is for modules already in memory.
@@ -114,12 +118,11 @@ class ILCPHandoff:
         fingerprint = lm.fingerprint
         check_fingerprint(config, fingerprint)
         self._fingerprint = fingerprint
-        pooling = config.get("pooling", {})
-        self.layers = tuple(int(i) for i in pooling.get("layers", [-1]))
-        self.max_length = int(pooling.get("max_length", 512))
-        kind = pooling_kind(config)
-        if kind != encoder.pooling:
-            raise ExportError(f"config.json names pooling {kind!r}, but the encoder pools with {encoder.pooling!r}")
+        self.spec = EncoderSpec.from_config(config)
+        held = memory_kind_of(encoder)
+        if held != self.spec.memory:
+            raise ExportError(f"config.json describes the memory {self.spec.memory!r}, but the encoder pools as "
+                              f"{held!r}")
         n_states = getattr(getattr(lm.model, "config", None), "num_hidden_layers", None)
         if n_states is not None and not all(-(n_states + 1) <= i <= n_states for i in self.layers):
             raise ExportError(f"config.json pools layers {list(self.layers)}, but this LM has {n_states + 1} hidden "
@@ -196,8 +199,8 @@ class ILCPHandoff:
         if lm is None:
             if tokenizer is not None:
                 raise ValueError("a tokenizer was given without its model: pass lm=model as well")
-            spec = run.config["lm"]
-            lm = load_lm(spec["spec"], dtype=spec.get("dtype", "float32"), device=device or "cpu", cache_dir=cache_dir)
+            named = run.config["lm"]
+            lm = load_lm(named["spec"], dtype=named.get("dtype", "float32"), device=device or "cpu", cache_dir=cache_dir)
         elif isinstance(lm, LM):
             if tokenizer is not None and tokenizer is not lm.tokenizer:
                 raise ValueError("lm is an LM bundle, which carries its tokenizer: do not pass another one")
@@ -239,6 +242,16 @@ class ILCPHandoff:
     def fingerprint(self) -> str:
         """The LM fingerprint payloads carry and receivers check (computed when the handoff was built)."""
         return self._fingerprint
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The hidden-state layers the sender reads, concatenated (the export's ``pooling.layers``)."""
+        return self.spec.layers
+
+    @property
+    def max_length(self) -> int:
+        """The context tokens the sender reads, its last ones (the export's ``pooling.max_length``)."""
+        return self.spec.max_length
 
     @property
     def latent_dim(self) -> int:

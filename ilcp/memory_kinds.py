@@ -5,23 +5,27 @@ entries of config.json's ``pooling`` object (reading, checking, writing them) an
 pooler; the export schema (`ilcp.encoder_config.EncoderSpec`) finds a config's kind here.
 
 - ``pooled``: one latent per context, the masked mean of its token states (``pooling.kind``
-  "mean") or the learned queries of an `AttentionPooler` ("attention", ``pooling.num_queries``).
+  "mean") or the learned queries of an `AttentionPooler` ("attention", ``pooling.pool_queries``,
+  the training config's ``compressor.pool_queries``).
 - ``chunked``: one latent per chunk of C consecutive tokens (``pooling.chunk_tokens`` = C), each
   chunk pooled as above: a context of S tokens sends ceil(S / C) latents.
 - ``codec``: chunks of C tokens whose states the VAE reads side by side (``pooling.kind``
   "concat", `ConcatPooler`); with K = C memory vectors per latent, read in the prompt as tokens.
 
-A new kind (a long-context memory, say) is one new module:
+The kinds are registered in `ilcp.names.MEMORY_KINDS` (which also names the ``pooling.kind``
+values each reads, so that a config is checked before torch loads); this module imports each
+kind's class there when a kind is first looked up. A new kind (a long-context memory, say) is one
+new module:
 
-    @register_memory_kind
     @dataclass(frozen=True)
     class RecurrentMemory(MemoryKind):
         name: ClassVar[str] = "recurrent"
-        pooling_kinds: ClassVar[tuple[str, ...]] = ("recurrent",)
+        pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["recurrent"].pooling_kinds
         state_slots: int = 4
         ...  # claims, from_pooling, pooling_entries, from_encoder, pooler (and encoder, for a new module)
 
-and one import line at the end of this file, so that reading an export finds it.
+and one entry in `ilcp.names.MEMORY_KINDS`, ``"recurrent": RegisteredMemoryKind("ilcp.recurrent:RecurrentMemory",
+("recurrent",))``. `register_memory_kind` adds a kind at run time (one a config cannot name).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .compressor import BetaVAE
-from .encoder import ILCPEncoder, Pooler
-from .pooling import AttentionPooler, ConcatPooler
+from .encoder import ILCPEncoder
+from .names import MEMORY_KINDS, resolve
+from .pooling import AttentionPooler, ConcatPooler, Pooler
 from .projector import GatedLatentToMemoryProjector
 
 __all__ = ["MemoryKind", "register_memory_kind", "memory_kinds", "pooling_kinds", "memory_kind_for",
@@ -40,7 +45,7 @@ __all__ = ["MemoryKind", "register_memory_kind", "memory_kinds", "pooling_kinds"
 
 
 def config_value(config: dict, dotted: str, kind, *, minimum=None, required: bool = True, default=None):
-    """The entry ``dotted`` ("pooling.num_queries") of a config.json object, of type `kind` (int,
+    """The entry ``dotted`` ("pooling.pool_queries") of a config.json object, of type `kind` (int,
     float for any finite number, str, dict, list; a bool is never a number), at least `minimum`.
 
     Raises:
@@ -110,27 +115,43 @@ class MemoryKind:
         return ILCPEncoder(vae, projector, pooler, chunk_tokens=self.chunk_tokens, **receiver)
 
 
-_KINDS: dict[str, type[MemoryKind]] = {}
+_KINDS: dict[str, type[MemoryKind]] = {}  # the kinds register_memory_kind added at run time
+
+
+def _registered(name: str) -> type[MemoryKind]:
+    """The settings class `ilcp.names.MEMORY_KINDS` registers under `name`, imported, checked."""
+    entry = MEMORY_KINDS[name]
+    cls = resolve(entry.target)
+    if not (isinstance(cls, type) and issubclass(cls, MemoryKind)) or cls.name != name:
+        raise ValueError(f"ilcp.names.MEMORY_KINDS[{name!r}] names {cls!r}, not a MemoryKind named {name!r}")
+    if tuple(cls.pooling_kinds) != tuple(entry.pooling_kinds):
+        raise ValueError(f"{cls.__name__} reads pooling kinds {cls.pooling_kinds}, but ilcp.names.MEMORY_KINDS "
+                         f"registers {entry.pooling_kinds}")
+    return cls
 
 
 def register_memory_kind(cls: type[MemoryKind]) -> type[MemoryKind]:
-    """Class decorator: add a memory kind under ``cls.name`` (once)."""
+    """Class decorator: add a memory kind under ``cls.name`` (once) at run time; the kinds a
+    config can name are registered in `ilcp.names.MEMORY_KINDS`."""
     if not (isinstance(cls, type) and issubclass(cls, MemoryKind)):
         raise ValueError(f"a memory kind subclasses MemoryKind, got {cls!r}")
-    if cls.name in _KINDS and _KINDS[cls.name] is not cls:
-        raise ValueError(f"a memory kind named {cls.name!r} is already registered ({_KINDS[cls.name].__name__})")
+    taken = memory_kinds().get(cls.name)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"a memory kind named {cls.name!r} is already registered ({taken.__name__})")
     _KINDS[cls.name] = cls
     return cls
 
 
 def memory_kinds() -> dict[str, type[MemoryKind]]:
-    """Name -> settings class of every registered kind, in registration order."""
-    return dict(_KINDS)
+    """Name -> settings class of every kind: those of `ilcp.names.MEMORY_KINDS` in its order, then
+    those registered at run time."""
+    kinds = {name: _registered(name) for name in MEMORY_KINDS}
+    return {**kinds, **{name: cls for name, cls in _KINDS.items() if name not in kinds}}
 
 
 def pooling_kinds() -> tuple[str, ...]:
-    """Every ``pooling.kind`` value a registered kind reads, in registration order."""
-    return tuple(dict.fromkeys(p for cls in _KINDS.values() for p in cls.pooling_kinds))
+    """Every ``pooling.kind`` value a kind reads, in the order of `memory_kinds`."""
+    return tuple(dict.fromkeys(p for cls in memory_kinds().values() for p in cls.pooling_kinds))
 
 
 def memory_kind_for(pooling: dict) -> MemoryKind:
@@ -139,7 +160,7 @@ def memory_kind_for(pooling: dict) -> MemoryKind:
     Raises:
         ValueError: no registered kind reads it, or an entry is missing or wrong (one line).
     """
-    for cls in _KINDS.values():
+    for cls in memory_kinds().values():
         if cls.claims(pooling):
             return cls.from_pooling(pooling)
     raise ValueError(f"unknown pooling kind {pooling.get('kind')!r} in config.json (this package reads "
@@ -148,7 +169,7 @@ def memory_kind_for(pooling: dict) -> MemoryKind:
 
 def memory_kind_of(encoder: ILCPEncoder) -> MemoryKind:
     """The settings of an encoder's kind."""
-    for cls in _KINDS.values():
+    for cls in memory_kinds().values():
         settings = cls.from_encoder(encoder)
         if settings is not None:
             return settings
@@ -160,24 +181,23 @@ def memory_kind_of(encoder: ILCPEncoder) -> MemoryKind:
 # the built-in kinds
 
 
-@register_memory_kind
 @dataclass(frozen=True)
 class PooledMemory(MemoryKind):
-    """One latent per context: the masked mean of its token states, or `num_queries` learned
-    attention queries (the VAE then reads num_queries x D floats)."""
+    """One latent per context: the masked mean of its token states, or `pool_queries` learned
+    attention queries (the VAE then reads pool_queries x D floats)."""
 
     name: ClassVar[str] = "pooled"
-    pooling_kinds: ClassVar[tuple[str, ...]] = ("mean", "attention")
+    pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["pooled"].pooling_kinds
 
     pooling: str = "mean"
-    num_queries: int = 0  # attention only
+    pool_queries: int = 0  # attention only
 
     def __post_init__(self):
         if self.pooling not in self.pooling_kinds:
             raise ValueError(f"'pooling.kind' must be one of {list(self.pooling_kinds)} for {self.name} memory, "
                              f"got {self.pooling!r}")
-        if self.pooling == "attention" and not self.num_queries >= 1:
-            raise ValueError(f"'pooling.num_queries' must be >= 1, got {self.num_queries!r}")
+        if self.pooling == "attention" and not self.pool_queries >= 1:
+            raise ValueError(f"'pooling.pool_queries' must be >= 1, got {self.pool_queries!r}")
 
     @classmethod
     def claims(cls, pooling: dict) -> bool:
@@ -187,8 +207,15 @@ class PooledMemory(MemoryKind):
     def _pooled_settings(cls, pooling: dict) -> dict:
         kind = pooling.get("kind", "mean")
         if kind != "attention":
-            return {"pooling": kind, "num_queries": 0}
-        return {"pooling": kind, "num_queries": config_value({"pooling": pooling}, "pooling.num_queries", int, minimum=1)}
+            return {"pooling": kind, "pool_queries": 0}
+        entry = "pool_queries"
+        # legacy read path: exports written before this entry took the training config's name
+        # (compressor.pool_queries) call it 'num_queries'; their config.json is read as written
+        if "num_queries" in pooling:
+            if "pool_queries" in pooling:
+                raise ValueError("'pooling' names its queries twice: 'pool_queries' and the older 'num_queries'")
+            entry = "num_queries"
+        return {"pooling": kind, "pool_queries": config_value({"pooling": pooling}, f"pooling.{entry}", int, minimum=1)}
 
     @classmethod
     def from_pooling(cls, pooling: dict) -> PooledMemory:
@@ -196,7 +223,7 @@ class PooledMemory(MemoryKind):
         return cls(**cls._pooled_settings(pooling))
 
     def pooling_entries(self) -> dict:
-        return {"kind": self.pooling, **({"num_queries": self.num_queries} if self.pooling == "attention" else {})}
+        return {"kind": self.pooling, **({"pool_queries": self.pool_queries} if self.pooling == "attention" else {})}
 
     @classmethod
     def from_encoder(cls, encoder: ILCPEncoder) -> PooledMemory | None:
@@ -205,16 +232,16 @@ class PooledMemory(MemoryKind):
         return cls(encoder.pooling, encoder.pooler.num_queries if encoder.pooling == "attention" else 0)
 
     def pooler(self, state_dim: int) -> AttentionPooler | None:
-        return AttentionPooler(state_dim, self.num_queries) if self.pooling == "attention" else None
+        return AttentionPooler(state_dim, self.pool_queries) if self.pooling == "attention" else None
 
 
-@register_memory_kind
 @dataclass(frozen=True)
 class ChunkedMemory(PooledMemory):
     """One latent per chunk of `chunk_tokens` consecutive tokens, each pooled as `PooledMemory`
     pools a context, so the payload grows with the context."""
 
     name: ClassVar[str] = "chunked"
+    pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["chunked"].pooling_kinds
 
     chunk_tokens: int = 1  # C, tokens per chunk
 
@@ -243,7 +270,6 @@ class ChunkedMemory(PooledMemory):
                    chunk_tokens=encoder.chunk_tokens)
 
 
-@register_memory_kind
 @dataclass(frozen=True)
 class CodecMemory(MemoryKind):
     """Chunks of `chunk_tokens` tokens whose states the VAE reads side by side (a parameter-free
@@ -251,7 +277,7 @@ class CodecMemory(MemoryKind):
     loss, memory vector j reads as the chunk's j-th token."""
 
     name: ClassVar[str] = "codec"
-    pooling_kinds: ClassVar[tuple[str, ...]] = ("concat",)
+    pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["codec"].pooling_kinds
 
     chunk_tokens: int = 1  # C, tokens per chunk
 

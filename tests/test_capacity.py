@@ -8,12 +8,13 @@ import torch
 
 from ilcp.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder import ILCPEncoder, split_chunks
+from ilcp.encoder import ILCPEncoder
 from ilcp.export import read_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import masked_mean_pool, pad_token_states, token_states
+from ilcp.pooling import masked_mean_pool, pad_token_states, split_chunks
 from ilcp.projector import GatedLatentToMemoryProjector
 from ilcp.training import train
+from ilcp.training.extraction import token_states
 from ilcp.transport import PayloadError, pack
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"

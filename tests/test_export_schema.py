@@ -4,7 +4,9 @@ tests/data/export_v1/ is the tiny config's export (configs/tiny.yaml, trained on
 as the code before `EncoderSpec` wrote it; tests/data/export_v1_{chunked,codec,snap}.config.json
 are the config.json of the same run with one latent per chunk of 4 tokens, as a codec (concat
 pooling, in_prompt, format vectors), and with a dot-scored hard vocabulary snap. Exports of that
-format must keep loading into the same encoder, and the spec must write them back unchanged.
+format must keep loading into the same encoder, and the spec must write them back unchanged but
+for the attention queries' entry, which exports now name as the training config does
+(``pooling.pool_queries``, once ``pooling.num_queries``).
 """
 
 import json
@@ -22,7 +24,7 @@ from ilcp.encoder_config import EncoderSpec
 from ilcp.export import ExportError, build_encoder, encoder_state, read_config, read_export, save_encoder
 from ilcp.memory_kinds import (ChunkedMemory, CodecMemory, PooledMemory, config_value, memory_kind_for,
                                register_memory_kind)
-from ilcp.names import POOLING_KINDS
+from ilcp.names import pooling_kinds
 
 DATA = Path(__file__).resolve().parent / "data"
 KEPT = DATA / "export_v1"
@@ -38,6 +40,14 @@ def _encoder_entries(config: dict) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in RUN_KEYS}, sort_keys=True)
 
 
+def _renamed(config: dict) -> dict:
+    """A kept config with its queries under today's name: what the spec writes back."""
+    config = json.loads(json.dumps(config))
+    if "num_queries" in config["pooling"]:
+        config["pooling"]["pool_queries"] = config["pooling"].pop("num_queries")
+    return config
+
+
 def test_an_export_written_before_the_spec_loads_into_the_same_encoder():
     run = read_export(KEPT)
     config = run.config
@@ -50,9 +60,10 @@ def test_an_export_written_before_the_spec_loads_into_the_same_encoder():
     assert sorted(state) == sorted(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
     assert set(run.soft_prompts) == {"prompt_tuned", "cold_read_tuned"}
     spec = EncoderSpec.from_config(config, KEPT / "config.json")
-    assert spec.memory == PooledMemory("attention", 4)
-    assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(config)  # key for key, value for value
-    assert EncoderSpec.from_encoder(encoder, config["pooling"]["layers"], config["pooling"]["max_length"]) == spec
+    assert spec.memory == PooledMemory("attention", 4) and run.spec == spec
+    assert "num_queries" in config["pooling"] and spec.to_config()["pooling"]["pool_queries"] == 4
+    assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(_renamed(config))  # key for key
+    assert EncoderSpec.from_encoder(encoder, spec.layers, spec.max_length) == spec
 
 
 @pytest.mark.parametrize("name, memory", [
@@ -64,7 +75,7 @@ def test_kept_configs_of_each_kind_rebuild_and_write_back_unchanged(name, memory
     config = _kept_config(name)
     spec = EncoderSpec.from_config(config, f"{name}/config.json")
     assert spec.memory == memory and memory.name == {"snap": "pooled"}.get(name, name)
-    assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(config)
+    assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(_renamed(config))
     hidden = config["lm"]["hidden_size"]
     encoder = spec.build(hidden)
     assert encoder.chunk_tokens == memory.chunk_tokens and encoder.placement == config.get("memory_placement", "prefix")
@@ -83,14 +94,14 @@ def test_the_tiny_run_writes_what_the_spec_writes(tiny_run):
     config = read_config(tiny_run.run_dir)
     spec = EncoderSpec.from_config(config)
     assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(config)
-    kept = json.loads((KEPT / "config.json").read_text())
+    kept = _renamed(json.loads((KEPT / "config.json").read_text()))
     kept["pooling"]["max_length"] = config["pooling"]["max_length"]  # the LM's limit, which may have moved
     assert _encoder_entries(config) == _encoder_entries(kept)
 
 
 def test_the_registry_holds_the_three_kinds_and_reads_what_names_lists():
     assert list(memory_kinds.memory_kinds()) == ["pooled", "chunked", "codec"]
-    assert memory_kinds.pooling_kinds() == POOLING_KINDS
+    assert memory_kinds.pooling_kinds() == pooling_kinds() == ("mean", "attention", "concat")
     assert memory_kind_for({"kind": "mean"}) == PooledMemory("mean")
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 0}) == PooledMemory("mean")
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 3}) == ChunkedMemory("mean", chunk_tokens=3)
@@ -170,7 +181,7 @@ def test_a_spec_checks_its_values_when_built_in_code():
         replace(spec, memory_placement="middle")
     with pytest.raises(ValueError, match="latent_dim"):
         replace(spec, latent_dim=0)
-    with pytest.raises(ValueError, match="num_queries"):
+    with pytest.raises(ValueError, match="pool_queries"):
         replace(spec, memory=PooledMemory("attention", 0))
     with pytest.raises(ValueError, match="memory kind"):
         replace(spec, memory="attention")

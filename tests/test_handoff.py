@@ -14,9 +14,10 @@ from ilcp.encoder import ILCPEncoder
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
-from ilcp.pooling import pooled_states, token_states
+from ilcp.memory_kinds import PooledMemory
 from ilcp.prompts import question_prompt
 from ilcp.training import train
+from ilcp.training.extraction import pooled_states, token_states
 from ilcp.transport import PayloadError, TransportPayload, pack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,15 +42,13 @@ def modules_directly(run_dir: Path, lm: LM, context: str, question: str):
     """z (1, Z) and the receiver prefix, by the training path: pooled (mean, or the pooler over the
     token states) -> encoder -> projector."""
     run = read_export(run_dir)
-    pooling = run.config["pooling"]
+    spec = run.spec
     with torch.no_grad():
         if run.encoder.pooler is None:
-            pooled = pooled_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
-                                   progress=False)
+            pooled = pooled_states(lm, [context], max_length=spec.max_length, layers=spec.layers, progress=False)
             z = run.encoder.latent(pooled)
         else:
-            rows = token_states(lm, [context], max_length=pooling["max_length"], layers=pooling["layers"],
-                                progress=False)
+            rows = token_states(lm, [context], max_length=spec.max_length, layers=spec.layers, progress=False)
             z = run.encoder.latent(rows[0].unsqueeze(0), torch.ones(1, rows[0].shape[0], dtype=torch.long))
         memory = run.encoder.memory(z, dtype=lm.dtype)
     prefix = assemble_prefix(lm.model, lm.tokenizer, [memory[0], question_prompt(lm.tokenizer, question)])
@@ -216,7 +215,7 @@ def test_load_lm_spec_matches_the_fixture(tiny_lm):
 
 
 def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
-    from ilcp.pooling import pad_token_states, token_states
+    from ilcp.pooling import pad_token_states
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
                              "compressor.pooling=attention", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
@@ -249,7 +248,7 @@ def test_mean_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
                              "compressor.pooling=mean", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]"])
     run_dir = train(cfg, lm=tiny_lm).run_dir
     handoff = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
-    assert handoff.encoder.pooler is None and handoff.config["pooling"]["kind"] == "mean"
+    assert handoff.encoder.pooler is None and handoff.spec.memory == PooledMemory("mean")
     z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[1], QUESTIONS[1])
     payload = handoff.send(CONTEXTS[1])
     torch.testing.assert_close(payload.latent, z[0], rtol=1e-5, atol=1e-5)

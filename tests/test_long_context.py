@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp import pooling
 from ilcp.config import load_config
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import length_batches, sender_token_states, token_states
-from ilcp.training import train
+from ilcp.pooling import length_batches, sender_token_states
+from ilcp.training import extraction, train
+from ilcp.training.extraction import token_states
 from ilcp.transport import TransportPayload
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -37,13 +37,13 @@ def test_length_batches_bound_rows_and_padded_positions():
 def test_extraction_reads_long_contexts_whole_and_one_at_a_time(tiny_lm, monkeypatch):
     long_text, short = _context(tiny_lm, 1500), "A short context."
     widths = []
-    real = pooling.sender_token_states
+    real = extraction.sender_token_states
 
     def recording(model, input_ids, attention_mask, layers=(-1,)):
         widths.append(tuple(input_ids.shape))
         return real(model, input_ids, attention_mask, layers)
 
-    monkeypatch.setattr(pooling, "sender_token_states", recording)
+    monkeypatch.setattr(extraction, "sender_token_states", recording)
     states = token_states(tiny_lm, [long_text, short, long_text], max_length=4096, max_batch_tokens=2000,
                           progress=False)
     n_long = len(tiny_lm.tokenizer(long_text, add_special_tokens=False)["input_ids"])

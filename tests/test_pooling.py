@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from ilcp import pooling
-from ilcp.pooling import cached_pooled_states, layer_states, masked_mean_pool, pooled_states
+from ilcp.pooling import layer_states, masked_mean_pool
+from ilcp.training import extraction
+from ilcp.training.extraction import cached_pooled_states, pooled_states
 
 TEXTS = ["John travelled to the hallway.",
          "Mary journeyed to the bathroom. Daniel went back to the bathroom. John moved to the bedroom.",
@@ -170,7 +172,7 @@ def test_attention_pooler_shape_errors(states, mask):
 
 
 def test_token_states_match_a_direct_forward_and_the_mean_pool(tiny_lm):
-    rows = pooling.token_states(tiny_lm, TEXTS, batch_size=2, layers=(-1, 1), progress=False)
+    rows = extraction.token_states(tiny_lm, TEXTS, batch_size=2, layers=(-1, 1), progress=False)
     assert len(rows) == len(TEXTS) and rows.dim == 2 * tiny_lm.hidden_size
     for i, text in enumerate(TEXTS):
         ids = tiny_lm.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
@@ -195,9 +197,9 @@ def test_token_states_padded_batch_and_mean_agree():
 
 def test_token_state_cache_round_trip(tiny_lm, tmp_path):
     ids = [f"r{i}" for i in range(len(TEXTS))]
-    first, path, hit = pooling.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
+    first, path, hit = extraction.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
     assert not hit and path.is_file()
-    second, path2, hit2 = pooling.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
+    second, path2, hit2 = extraction.cached_token_states(tiny_lm, TEXTS, ids, {"task": "t"}, cache_dir=tmp_path, progress=False)
     assert hit2 and path2 == path
     assert torch.equal(first.flat, second.flat) and torch.equal(first.offsets, second.offsets)
     # the pooled cache of the same rows is a different file

@@ -10,9 +10,10 @@ from ilcp.config import load_config
 from ilcp.encoder import ILCPEncoder
 from ilcp.export import read_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import AttentionPooler, token_states
+from ilcp.pooling import AttentionPooler
 from ilcp.training import ReconstructionModule, train
 from ilcp.training.data import HandoffRows, collate_rows
+from ilcp.training.extraction import token_states
 from ilcp.training.handoff_stage import attach_projector
 from ilcp.training.reconstruction_stage import distinct_contexts
 

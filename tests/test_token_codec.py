@@ -12,10 +12,11 @@ from ilcp.config import load_config
 from ilcp.encoder import ILCPEncoder
 from ilcp.export import ExportError, build_encoder, encoder_state, read_config
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import ConcatPooler, first_state_is_embedding, sender_token_states, token_states
+from ilcp.pooling import ConcatPooler, first_state_is_embedding, sender_token_states
 from ilcp.tasks import fact_values
 from ilcp.training import ReconstructionModule, train
 from ilcp.training.data import HandoffRows, collate_rows, heldout_values, word_tokens
+from ilcp.training.extraction import token_states
 from ilcp.training.handoff_stage import attach_projector
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"

@@ -10,6 +10,7 @@ from ilcp import training
 from ilcp.config import TrainConfig, load_config
 from ilcp.export import ExportError, check_fingerprint, read_export
 from ilcp.encoder import ILCPEncoder
+from ilcp.memory_kinds import PooledMemory
 from ilcp.training import HandoffModule, make_memory_source, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,8 +212,9 @@ def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
 
     cfg, result = attention_run
     run = read_export(result.run_dir)
-    assert run.config["pooling"]["kind"] == "attention" and run.config["pooling"]["num_queries"] == 3
-    assert run.encoder.vae.input_dim == 3 * tiny_lm.hidden_size == run.config["compressor"]["input_dim"]
+    assert run.config["pooling"]["kind"] == "attention" and run.config["pooling"]["pool_queries"] == 3
+    assert run.spec.memory == PooledMemory("attention", 3) and run.encoder.pooler.num_queries == 3
+    assert run.encoder.vae.input_dim == 3 * tiny_lm.hidden_size == run.spec.input_dim
     state = load_file(str(result.run_dir / "model.safetensors"))
     assert "pooler.score.weight" in state
     # the queries start at zero (the mean pool) and the answer loss moved them
@@ -222,7 +224,8 @@ def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
 
 
 def test_attention_run_reloads_to_the_same_memory_vectors(attention_run, tiny_lm):
-    from ilcp.pooling import pad_token_states, token_states
+    from ilcp.pooling import pad_token_states
+    from ilcp.training.extraction import token_states
 
     _, result = attention_run
     run = read_export(result.run_dir)

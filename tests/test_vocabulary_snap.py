@@ -189,7 +189,8 @@ def test_validate_start_measures_the_starting_weights_and_keeps_them_unless_beat
 
 
 def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_lm):
-    from ilcp.pooling import ConcatPooler, token_states
+    from ilcp.pooling import ConcatPooler
+    from ilcp.training.extraction import token_states
     from ilcp.training import ReconstructionModule
     from ilcp.training.data import HandoffRows, collate_rows
     from ilcp.training.reconstruction_stage import TOKEN_TEMPERATURE

@@ -4,6 +4,7 @@
     python train.py --config configs/tiny.yaml        # seconds, tiny random LM (tests)
 
 Where things are:
+- `extraction`: the sender's states of a task's contexts (a Lightning predict loop, cached on disk);
 - `data`: task rows with the sender's (cached) states, batches, the data module;
 - `compressor_stage`: stage 1, the beta-VAE (and attention pooler) with the optional answer head;
 - `reconstruction_stage`: optional, the encoder trained to make the LM say each context back;

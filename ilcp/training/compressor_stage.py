@@ -187,7 +187,7 @@ def story_attention_loss(pooler: AttentionPooler, tokens: Tensor, token_mask: Te
 def memory_kind(cfg: TrainConfig) -> MemoryKind:
     """The registered memory kind (`ilcp.memory_kinds`) the config's compressor settings name."""
     c = cfg.compressor
-    return memory_kind_for({"kind": c.pooling, "num_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens})
+    return memory_kind_for({"kind": c.pooling, "pool_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens})
 
 
 def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:

@@ -2,8 +2,8 @@
 
 A row is ``{context, question, answer}`` plus the sender's states of its context: the states of
 every context token (`TokenStates`, what an attention pooler reads) or, for mean pooling, the
-mean computed ahead of time, (N, D). Both come from the frozen LM through `ilcp.pooling`'s
-Lightning predict loop and its on-disk cache.
+mean computed ahead of time, (N, D). Both come from the frozen LM through
+`ilcp.training.extraction` (a Lightning predict loop and its on-disk cache).
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..config import TrainConfig
-from ..encoder import pool_states, pool_units
 from ..lm import LM
-from ..pooling import (AttentionPooler, TokenStates, cached_pooled_states, cached_token_states, context_lengths,
-                       pad_token_states)
+from ..pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
 from ..babilong import story_token_mask
 from ..tasks import FACT_VOCABULARIES, fact_values, resolve_task
 from .distributed import rank, world_size
+from .extraction import cached_pooled_states, cached_token_states
 from .log import run_precision, say
 
 

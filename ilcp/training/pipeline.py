@@ -20,7 +20,6 @@ Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loadi
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -68,7 +67,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     cfg.validate()
     if discard_last and not resume:
         raise ValueError("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
-    cfg = copy.deepcopy(cfg)  # data.max_length=0 is resolved on this copy once the LM is loaded
     procs = Processes(cfg.trainer)
     for name in ("compressor.batch_size", "reconstruct.batch_size", "handoff.batch_size"):
         section, key = name.split(".")
@@ -220,8 +218,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         precision = run_precision(cfg)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}, compute "
             f"precision {precision}")
-        cfg.data.max_length = sender_max_length(cfg, lm)  # 0: whole contexts, up to the LM's own limit
-        say(f"the sender reads contexts of up to {cfg.data.max_length} tokens")
+        max_length = sender_max_length(cfg, lm)  # data.max_length, or with 0 the LM's own limit
+        say(f"the sender reads contexts of up to {max_length} tokens")
         clock.done("lm")
         if cfg.handoff.format_from not in ("", "cold_read_tuned"):
             format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage
@@ -246,7 +244,7 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         "stage_seconds": clock.seconds, "total_seconds": clock.total,
     }
     if is_main():
-        export.export_run(cfg, lm, sources, metrics, precision=precision)
+        export.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)
         clock.done("export")
         metrics["total_seconds"] = clock.total
         atomic_write_json(run_dir / "metrics.json", metrics)  # not among the export's digests
