@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ilcp.evaluation import EvalContext, make_method
-from ilcp.evaluation.run import time_request
+from ilcp.evaluation.timing import time_request
 from ilcp.export import read_config, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import load_lm

@@ -16,6 +16,7 @@ import argparse
 import logging
 import shutil
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -24,8 +25,8 @@ import yaml
 from .config import load_config
 from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
-                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_GROUPS, PAYLOAD_DTYPES, PRECISIONS, method_names,
-                    split_task_names, unknown_method)
+                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_FAMILIES, METHOD_GROUPS, METHODS, PAYLOAD_DTYPES, PRECISIONS,
+                    SELECTORS, method_names, split_task_names, unknown_method)
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
 
@@ -35,7 +36,7 @@ TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned basel
     ilcp-train --resume                               # continue an interrupted run
 
 Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME."""
-EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
+_EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
 
     ilcp-eval --ckpt checkpoints/default                          # minutes on 2 CPU cores
     ilcp-eval --ckpt checkpoints/default --tasks babi:2           # plus a held-out task, ~+6 min
@@ -55,16 +56,14 @@ cores, about 6 minutes per task plus 1.5 for the context-length sweep, so the tr
 one held-out task fit in 15. Writes results.json, results.md, predictions.jsonl and PNG plots
 into --out (default results/RUN) and prints the tables.
 
+Methods: {methods}.
+
 RCLC rows (`ilcp.evaluation.rclc_methods`) are named rclc:SELECTOR:rN (relative budget, ceil(T/N)
-of the sender's T rows) or rclc:SELECTOR:bN (at most N rows), SELECTOR one of cacheback, qsnap,
-chunkkv, sentences, reread, overlap. The receiver is ilcp.rclc.HFReceiver, as a user would call it: with
-placement="in_prompt" the rows sit where the context text would (r1 gives the cold read's
-prefix), with :prefix (placement="prefix", the RCLC spec's placement) before the question
-prompt, and with :tuned after cold_read_tuned's K vectors. Groups: default (no_context,
-prompt_tuned, cold_read, cold_read_tuned, ilcp: what runs when --methods is not given),
-rclc-quick (cacheback r1, r4 and r4:tuned), rclc (cacheback r1; cacheback, qsnap, chunkkv, sentences, reread and overlap at
-r4, r16 and b16; cacheback r4:prefix and r4:tuned), rclc-budgets (every selector at r16, r8, r4,
-r2, b16 and b32, and r1; plotted as selection_budgets.png) and rclc-budgets-tuned (the same, :tuned).
+of the sender's T rows) or rclc:SELECTOR:bN (at most N rows), SELECTOR one of {selectors}. The
+receiver is ilcp.rclc.HFReceiver, as a user would call it: with placement="in_prompt" the rows
+sit where the context text would (r1 gives the cold read's prefix), with :prefix
+(placement="prefix", the RCLC spec's placement) before the question prompt, and with :tuned
+after cold_read_tuned's K vectors. Groups: {groups}.
 An RCLC row costs about 1.5 cold_read rows
 (the sender's prefill and selection run per question):
 about 2.3 minutes per task at the default limit with SmolLM2 on one CPU thread.
@@ -76,6 +75,23 @@ engines' exact match on the same questions and their agreement; its caches and t
 go to OUT/vllm. Latency and the sweeps stay on the HF decoder. --throughput-batches 1,8,32 adds
 the receiver's decode throughput (questions/s) of ilcp and cold_read at those batch sizes, HF
 and (with --engine vllm) vLLM, on the first --throughput-n questions."""
+
+
+
+def _entries(table: dict, suffix: str = "") -> list[str]:
+    return [f"{name}{suffix} ({entry.help})" for name, entry in table.items()]
+
+
+def eval_help() -> str:
+    """``ilcp-eval``'s description, its lists of methods, families, groups and selectors read from
+    the registries of `ilcp.names` when the parser is built (the paragraphs that hold them refilled)."""
+    groups = _entries(METHOD_GROUPS)
+    lists = {"methods": "; ".join(_entries(METHODS) + _entries(METHOD_FAMILIES, ":...")),
+             "selectors": "; ".join(_entries(SELECTORS)),
+             "groups": f"{'; '.join(groups[:-1])} and {groups[-1]}" if len(groups) > 1 else groups[0]}
+    parts = _EVAL_HELP.split("\n\n")
+    return "\n\n".join(textwrap.fill(" ".join(part.format(**lists).split()), width=96, break_on_hyphens=False)
+                       if "{" in part else part for part in parts)
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -223,7 +239,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ilcp-eval", description=EVAL_HELP,
+    parser = argparse.ArgumentParser(prog="ilcp-eval", description=eval_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
     parser.add_argument("--tasks", type=_task_names, default=[],

@@ -19,13 +19,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .names import DEFAULT_LM, PRECISIONS, SNAP_METRICS, VOCABULARY_SNAPS
-from .names import POOLING_KINDS as POOLINGS
+from .names import DEFAULT_LM, DEFAULT_SELECTOR, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS, pooling_kinds
 from .prompts import MEMORY_PLACEMENTS
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
-SELECTION_SELECTORS = ("cacheback", "qsnap", "chunkkv", "sentences", "reread", "overlap")  # ilcp.rclc.selectors' built-in selectors
 
 
 def _f(default, help: str, **kw):
@@ -153,8 +151,8 @@ class CompressorConfig:
                              "one latent per context)")
         if self.answer_head_weight < 0:
             raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"compressor.pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        if self.pooling not in pooling_kinds():
+            raise ValueError(f"compressor.pooling must be one of {list(pooling_kinds())}, got {self.pooling!r}")
         if self.pooling == "concat" and self.chunk_tokens < 1:
             raise ValueError("compressor.pooling=concat needs compressor.chunk_tokens >= 1 (it reads chunks)")
         if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
@@ -202,13 +200,13 @@ class HandoffConfig:
     format_from: str = _f("", "ilcp with memory_placement=in_prompt: cold_read_tuned's trained vectors (frozen) "
                               "before the whole prompt: 'cold_read_tuned' trains them first in the same run; a "
                               "path reads them from another run's export, for the same LM ('' = none)")
-    selection_selector: str = _f("cacheback", "selection_tuned: the RCLC selector whose rows replace the context text "
-                                              "(cacheback, qsnap, chunkkv or sentences)")
+    selection_selector: str = _f(DEFAULT_SELECTOR, "selection_tuned: the RCLC selector whose rows replace the context "
+                                                   f"text ({', '.join(SELECTORS)})")
     selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
 
     def __post_init__(self):
-        if self.selection_selector not in SELECTION_SELECTORS:
-            raise ValueError(f"handoff.selection_selector must be one of {list(SELECTION_SELECTORS)}, "
+        if self.selection_selector not in SELECTORS:
+            raise ValueError(f"handoff.selection_selector must be one of {list(SELECTORS)}, "
                              f"got {self.selection_selector!r}")
         if self.selection_ratio < 1:
             raise ValueError(f"handoff.selection_ratio must be >= 1, got {self.selection_ratio}")

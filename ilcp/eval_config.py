@@ -5,8 +5,8 @@
 
 Every field carries its help text (``field(metadata={"help": ...})``) and `__post_init__` checks
 the values, so a bad setting is a one-line ValueError before any model loads. This module imports
-only the standard library and `ilcp.names` (``ilcp-eval`` builds it before torch is imported);
-the method and task names are resolved by `evaluate`, which knows every family.
+only the standard library, `ilcp.names` and `ilcp.vllm_engine` (``ilcp-eval`` builds it before
+torch is imported); the method and task names are resolved by `evaluate`, which knows every family.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, fields
 
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
-
-DEFAULT_VLLM_KV_CACHE_BYTES = 1 << 30  # ilcp.engines.vllm.DEFAULT_KV_CACHE_BYTES
+from .vllm_engine import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
 
 
 def _f(default, help: str):

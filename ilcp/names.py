@@ -2,11 +2,44 @@
 
 This module imports only the standard library, so ``ilcp-train --help`` and a mistyped key answer without torch.
 The modules that use these names import them from here; where a module that imports torch
-builds its own list (the evaluation registry's methods and groups, `ilcp.transport`'s dtypes),
-tests/test_cli_startup.py checks that the two are equal.
+builds its own list (`ilcp.transport`'s dtypes), tests/test_cli_startup.py checks that the two are equal.
+
+Each kind of name with an implementation behind it has one registry here, the only list of its
+names: RCLC selectors (`SELECTORS`), evaluation methods, families and groups (`METHODS`,
+`METHOD_FAMILIES`, `METHOD_GROUPS`) and memory kinds (`MEMORY_KINDS`); task names have
+`TASK_NAMES`. An entry names its implementation as ``"module:attribute"``, imported only when the
+name is used (`resolve`), so the command lines' help, the config checks and the torch-side
+registries all derive from the same table: a new selector, method or memory kind is its module
+and one entry. tests/test_name_registries.py fails when a list of a kind's names is spelled
+anywhere else under ilcp/.
 """
 
 from difflib import get_close_matches
+from typing import NamedTuple
+
+
+def resolve(target: str):
+    """The object a registry entry names, ``"package.module:attribute"``, importing its module."""
+    from importlib import import_module
+
+    module, _, attribute = target.partition(":")
+    return getattr(import_module(module), attribute)
+
+
+class Registered(NamedTuple):
+    """One entry of a registry: its implementation (``"module:attribute"``) and its help line."""
+
+    target: str
+    help: str
+
+
+class RegisteredMemoryKind(NamedTuple):
+    """One memory kind: its settings class (``"module:attribute"``, an `ilcp.memory_kinds.MemoryKind`)
+    and the values of config.json's ``pooling.kind`` (``compressor.pooling``) it reads."""
+
+    target: str
+    pooling_kinds: tuple[str, ...]
+
 
 # the frozen LM (ilcp.lm)
 DEFAULT_LM = "smollm2-135m-instruct"
@@ -14,16 +47,69 @@ DEFAULT_LM = "smollm2-135m-instruct"
 # compute precision (ilcp.precision)
 PRECISIONS = ("32-true", "bf16-mixed", "auto")
 
-# the ILCP memory source (ilcp.encoder)
-POOLING_KINDS = ("mean", "attention", "concat")
+# the ILCP memory source (ilcp.encoder): the memory kinds, which `ilcp.memory_kinds` registers in
+# this order (it asks each in turn whether a config.json's ``pooling`` object is its own)
+MEMORY_KINDS = {
+    "pooled": RegisteredMemoryKind("ilcp.memory_kinds:PooledMemory", ("mean", "attention")),
+    "chunked": RegisteredMemoryKind("ilcp.memory_kinds:ChunkedMemory", ("mean", "attention")),
+    "codec": RegisteredMemoryKind("ilcp.memory_kinds:CodecMemory", ("concat",)),
+}
+
+
+def pooling_kinds() -> tuple[str, ...]:
+    """Every ``pooling.kind`` (``compressor.pooling``) a memory kind of `MEMORY_KINDS` reads, in order."""
+    return tuple(dict.fromkeys(p for entry in MEMORY_KINDS.values() for p in entry.pooling_kinds))
+
+
 VOCABULARY_SNAPS = ("none", "soft", "hard")
 SNAP_METRICS = ("cosine", "dot")  # how a snap scores the embedding rows (and the token loss its logits)
 
-# evaluation methods (ilcp.evaluation.registry, as ilcp.evaluation registers them)
-METHODS = ("cold_read", "cold_read_tuned", "ilcp", "no_context", "prompt_tuned")  # exact names, sorted
-METHOD_FAMILIES = ("kv_relay", "rclc")  # "family:..." names, each parsed by its family
-METHOD_GROUPS = ("default", "rclc", "rclc-quick", "rclc-budgets", "rclc-budgets-tuned")
+# RCLC selectors: ilcp.rclc.selectors builds one ready-made instance of each class (its default
+# settings) under its name, in this order; ``rclc:<selector>:...`` rows and
+# ``handoff.selection_selector`` take these names
+SELECTORS = {
+    "cacheback": Registered("ilcp.rclc.selectors.cacheback:CacheBack",
+                            "the default: the request's attention and the sender's look-back attention, in spans"),
+    "qsnap": Registered("ilcp.rclc.selectors.qsnap:QSnap", "SnapKV with the request as the observation window"),
+    "chunkkv": Registered("ilcp.rclc.selectors.chunkkv:ChunkKV", "whole fixed chunks, by the request's attention"),
+    "sentences": Registered("ilcp.rclc.selectors.sentences:Sentences", "whole sentences, by the request's attention"),
+    "reread": Registered("ilcp.rclc.selectors.reread:Reread",
+                         "the attention the sender pays reading its context again, whatever the request"),
+    "overlap": Registered("ilcp.rclc.selectors.overlap:Overlap",
+                          "whole sentences, by the tokens they share with the request"),
+}
+DEFAULT_SELECTOR = "cacheback"
+
+# evaluation methods: `ilcp.evaluation.registry` answers each exact name with its class, built
+# with the name; each "family:..." name with its family's factory, called with the whole name
+# (which it parses); each group with its tuple of method names
+METHODS = {
+    "cold_read": Registered("ilcp.evaluation.methods:ColdRead", "the whole context text + the question, zero-shot"),
+    "cold_read_tuned": Registered("ilcp.evaluation.methods:ColdReadTuned",
+                                  "K trained vectors + the context text + the question"),
+    "ilcp": Registered("ilcp.evaluation.methods:ILCPMethod",
+                       "K memory vectors projected from the received latent + the question"),
+    "no_context": Registered("ilcp.evaluation.methods:NoContext", "the question alone, zero-shot"),
+    "prompt_tuned": Registered("ilcp.evaluation.methods:PromptTuned", "K trained vectors + the question, no transfer"),
+}
+METHOD_FAMILIES = {
+    "kv_relay": Registered("ilcp.evaluation.kv_relay:KVRelayMethod",
+                           "the KV cache entries of the positions a selector keeps: kv_relay:SELECTOR:rN or :bN "
+                           "[:prefix]"),
+    "rclc": Registered("ilcp.evaluation.rclc_methods:RCLCMethod",
+                       "the input-embedding rows a selector keeps: the RCLC rows below"),
+}
 DEFAULT_METHODS = ("no_context", "prompt_tuned", "cold_read", "cold_read_tuned", "ilcp")
+METHOD_GROUPS = {
+    "default": Registered("ilcp.names:DEFAULT_METHODS", "what runs when --methods is not given"),
+    "rclc": Registered("ilcp.evaluation.rclc_methods:RCLC_METHODS",
+                       "cacheback r1; every selector at r4, r16 and b16; cacheback r4:prefix and r4:tuned"),
+    "rclc-quick": Registered("ilcp.evaluation.rclc_methods:RCLC_QUICK", "cacheback r1, r4 and r4:tuned"),
+    "rclc-budgets": Registered("ilcp.evaluation.rclc_methods:RCLC_BUDGETS",
+                               "every selector at r16, r8, r4, r2, b16 and b32, and r1; plotted as "
+                               "selection_budgets.png"),
+    "rclc-budgets-tuned": Registered("ilcp.evaluation.rclc_methods:RCLC_BUDGETS_TUNED", "the same, :tuned"),
+}
 
 # task names (ilcp.tasks): each source's name pattern (a regex, full match, case-insensitive) and
 # the forms it accepts, in the order the registry tries them; each source registers its loader
@@ -91,8 +177,8 @@ PAYLOAD_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 def method_names() -> list[str]:
     """The built-in method names as `ilcp.evaluation.method_names` lists them: exact names, then
-    ``"family:..."``."""
-    return list(METHODS) + [f"{family}:..." for family in METHOD_FAMILIES]
+    ``"family:..."``, each sorted."""
+    return sorted(METHODS) + [f"{family}:..." for family in sorted(METHOD_FAMILIES)]
 
 
 def unknown_method(name: str) -> str | None:
@@ -101,12 +187,12 @@ def unknown_method(name: str) -> str | None:
     close; None when it is one of those."""
     name = name.strip()
     family, colon, rest = name.partition(":")
-    if (not colon and name in METHODS + METHOD_GROUPS) or (colon and family in METHOD_FAMILIES):
+    if (not colon and (name in METHODS or name in METHOD_GROUPS)) or (colon and family in METHOD_FAMILIES):
         return None
     if colon:
-        close = [f"{f}:{rest}" for f in get_close_matches(family, METHOD_FAMILIES, n=1)]
+        close = [f"{f}:{rest}" for f in get_close_matches(family, list(METHOD_FAMILIES), n=1)]
     else:
-        close = get_close_matches(name, METHODS + METHOD_GROUPS, n=1)
+        close = get_close_matches(name, [*METHODS, *METHOD_GROUPS], n=1)
     if close:
         return f"unknown method {name!r}; did you mean {close[0]!r}?"
     return f"unknown method {name!r}; known: {', '.join(method_names())}; groups: {', '.join(METHOD_GROUPS)}"

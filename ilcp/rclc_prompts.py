@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import rclc
+from .names import DEFAULT_SELECTOR
 from .prompts import SYSTEM, cold_read_user_text, question_user_text, render
 
 __all__ = ["SELECTORS", "ReceiverFraming", "receiver_framing", "selection_prompt_ids"]
 
-SELECTORS = {"cacheback": rclc.selectors.cacheback, "qsnap": rclc.selectors.qsnap, "chunkkv": rclc.selectors.chunkkv,
-             "sentences": rclc.selectors.sentences, "reread": rclc.selectors.reread, "overlap": rclc.selectors.overlap}
+SELECTORS = rclc.selectors.BY_NAME  # name -> ready-made selector, for every name of ilcp.names.SELECTORS
 
 _CONTEXT_MARK = "\x00RCLC-CONTEXT\x00"
 _REQUEST_MARK = "\x00RCLC-REQUEST\x00"
@@ -66,7 +66,7 @@ def receiver_framing(tokenizer) -> ReceiverFraming:
     return ReceiverFraming(messages=messages, slot_template=template, lead=lead, question_turn=question_turn)
 
 
-def selection_prompt_ids(lm, rows, *, selector: str = "cacheback", ratio: int | None = None,
+def selection_prompt_ids(lm, rows, *, selector: str = DEFAULT_SELECTOR, ratio: int | None = None,
                          budget: int | None = None) -> dict[tuple[str, str], list[int]]:
     """The in-prompt RCLC prompt of each distinct ``(context, question)`` of ``rows``, as token IDs.
 

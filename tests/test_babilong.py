@@ -449,7 +449,8 @@ def test_a_mix_interleaves_each_tasks_own_rows(tokenizer):
 
 def test_a_mix_key_lists_its_tasks_and_eval_reads_them_one_by_one(tokenizer):
     from ilcp.config import load_config
-    from ilcp.evaluation.run import _training_tasks, parse_task
+    from ilcp.evaluation.run import parse_task
+    from ilcp.evaluation.session import training_tasks
 
     key = task_config_key("babilong:1+8:0.5k", "train", tokenizer=tokenizer, variant="en", limit=6)
     assert key["task"] == "babilong-qa1+qa8-0.5k" and key["limit"] == 6
@@ -457,7 +458,7 @@ def test_a_mix_key_lists_its_tasks_and_eval_reads_them_one_by_one(tokenizer):
     assert key["parts"][1]["source"] == "qa8_lists-sets_train.txt"
     assert task_config_key("babilong:1+7:0.5k", "train", tokenizer=tokenizer, variant="en", limit=6) != key
     assert load_config(None, ["data.task=babilong:1+8:0.5k"]).data.task == "babilong:1+8:0.5k"
-    assert [s.name for s in _training_tasks("babilong:1+8:0.5k")] == ["babilong:1:0.5k", "babilong:8:0.5k"]
+    assert [s.name for s in training_tasks("babilong:1+8:0.5k")] == ["babilong:1:0.5k", "babilong:8:0.5k"]
     assert [s.name for s in parse_task("babilong:1+8:2k").parts()] == ["babilong:1:2k", "babilong:8:2k"]
     with pytest.raises(ValueError, match="qa99|99"):
         load_task("babilong:1+99:0.5k", "train", tokenizer=tokenizer, variant="en")

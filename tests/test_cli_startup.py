@@ -113,12 +113,9 @@ def test_unknown_method_names_the_closest_one(name, message, tmp_path, capsys):
     assert f"ilcp-eval: error: {message}" in capsys.readouterr().err
 
 
-def test_light_method_names_equal_the_registry():
+def test_what_the_light_method_check_lets_through_the_registry_makes():
     from ilcp import evaluation
 
-    assert names.method_names() == evaluation.method_names()
-    assert sorted(names.METHOD_GROUPS) == sorted(evaluation.method_groups())
-    assert names.DEFAULT_METHODS == evaluation.DEFAULT_METHODS
     members = [m for group in evaluation.method_groups().values() for m in group]
     accepted = [*names.METHODS, *names.METHOD_GROUPS, *members, "rclc:cacheback:r4:tuned", "kv_relay:qsnap:b16"]
     assert [m for m in accepted if names.unknown_method(m) is not None] == []
@@ -128,16 +125,12 @@ def test_light_method_names_equal_the_registry():
 
 def test_light_constants_equal_the_modules_that_use_them():
     from ilcp import encoder, lm, transport
-    from ilcp.evaluation import decoders, run
+    from ilcp.evaluation import decoders
 
-    assert (encoder.POOLING_KINDS, encoder.VOCABULARY_SNAPS, encoder.SNAP_METRICS) == (
-        names.POOLING_KINDS, names.VOCABULARY_SNAPS, names.SNAP_METRICS)
+    assert (encoder.VOCABULARY_SNAPS, encoder.SNAP_METRICS) == (names.VOCABULARY_SNAPS, names.SNAP_METRICS)
     assert lm.DEFAULT_LM == names.DEFAULT_LM
     assert transport.DTYPES == names.PAYLOAD_DTYPES
     assert decoders.ENGINES == names.ENGINES
-    assert (run.DEFAULT_LIMIT, run.DEFAULT_LATENCY_N, run.DEFAULT_LENGTHS, run.DEFAULT_FACTS_COUNTS,
-            run.DEFAULT_THROUGHPUT_N) == (names.DEFAULT_LIMIT, names.DEFAULT_LATENCY_N, names.DEFAULT_LENGTHS,
-                                          names.DEFAULT_FACTS_COUNTS, names.DEFAULT_THROUGHPUT_N)
 
 
 def test_every_task_name_pattern_has_its_source_registered():

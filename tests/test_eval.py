@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ilcp.evaluation import run as eval_run
+from ilcp.evaluation import session as eval_session
 from ilcp.evaluation.methods import DEFAULT_METHODS, ColdRead, ILCPMethod
 from ilcp.evaluation.registry import _FAMILIES, EvalContext, HandoffMethod, Sent, make_method, register_method
 from ilcp.evaluation.report import bootstrap_interval, latency_summary
@@ -164,7 +165,7 @@ def test_bad_arguments_are_clear_errors(run_dir, tmp_path, monkeypatch, capsys):
     def no_lm(*args, **kwargs):
         raise AssertionError("bad arguments must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_lm", no_lm)
     with pytest.raises(ExportError, match="not a directory"):
         evaluate(tmp_path / "missing")
     with pytest.raises(ValueError, match="unknown method 'telepathy'"):
@@ -237,7 +238,7 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
     def no_lm(*args, **kwargs):
         raise AssertionError("a run without task settings must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_lm", no_lm)
     del config["task_settings"]["facts_n_distractors"]
     (facts_run / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="task_settings lacks facts_n_distractors"):
@@ -285,9 +286,9 @@ def test_facts_value_split_flows_from_the_config_to_the_export_and_eval(tmp_path
 
 
 def test_a_run_trained_on_a_babi_mix_is_evaluated_on_each_of_its_tasks():
-    specs = eval_run._resolve_tasks("babi:1+2", ["babi:6", "babi:2"])
+    specs = eval_session.resolve_tasks("babi:1+2", ["babi:6", "babi:2"])
     assert [s.name for s in specs] == ["babi:1", "babi:2", "babi:6"]
-    assert [s.name for s in eval_run._training_tasks("babi:2+1")] == ["babi:1", "babi:2"]
+    assert [s.name for s in eval_session.training_tasks("babi:2+1")] == ["babi:1", "babi:2"]
 
 
 def test_wilson_interval_does_not_collapse_at_zero_or_all_hits():

@@ -19,7 +19,7 @@ FAST = {"methods": ["no_context", "ilcp"], "limit": 4, "latency_n": 1, "max_new_
 
 
 def test_defaults_are_the_command_line_defaults_and_every_field_has_help():
-    from ilcp.engines.vllm import DEFAULT_KV_CACHE_BYTES
+    from ilcp.vllm_engine import DEFAULT_KV_CACHE_BYTES
 
     cfg = EvalConfig()
     assert (cfg.limit, cfg.latency_n, cfg.throughput_n) == (names.DEFAULT_LIMIT, names.DEFAULT_LATENCY_N,
@@ -107,6 +107,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def test_evaluate_takes_a_config_or_its_fields_and_runs_part_by_part(tiny_run, tiny_lm, tmp_path):
     from ilcp.evaluation import run as eval_run
+    from ilcp.evaluation import side_sweeps
 
     run_dir = tiny_run.run_dir
     cfg = EvalConfig(**FAST, out=tmp_path / "a")
@@ -130,10 +131,10 @@ def test_evaluate_takes_a_config_or_its_fields_and_runs_part_by_part(tiny_run, t
     task, (rows, by_method, by_method_vllm) = eval_run.evaluate_task(session, session.tasks[0])
     assert _same(task, from_config["tasks"]["babi:1"]) and len(rows) == 4 and by_method_vllm == {}
     assert set(by_method) == {"no_context", "ilcp"}
-    assert eval_run.engine_agreement(session, {"babi:1": task}) is None  # engine="hf"
-    assert eval_run.throughput_table(session) is None  # no batches asked
-    assert eval_run.facts_count_sweep(session) is None  # a bAbI-trained run
-    lengths = eval_run.context_length_sweep(session)
+    assert side_sweeps.engine_agreement(session, {"babi:1": task}) is None  # engine="hf"
+    assert side_sweeps.throughput_table(session) is None  # no batches asked
+    assert side_sweeps.facts_count_sweep(session) is None  # a bAbI-trained run
+    lengths = side_sweeps.context_length_sweep(session)
     assert lengths["targets"] == [16] and [r["method"] for r in lengths["rows"]] == ["no_context", "ilcp"]
     assert lengths["ilcp_pooled_max_length"] == session.handoff.max_length
 
@@ -148,13 +149,13 @@ def test_a_resumed_evaluation_reuses_saved_results_and_recomputes_changed_ones(t
     first = evaluate(tiny_run.run_dir, **settings)
     assert (out / "parts" / "babi_1" / "ilcp.json").is_file()
     computed = []
-    real = eval_run._accuracy
+    real = eval_run.accuracy
 
     def counting(method, rows, **kwargs):
         computed.append(method.name)
         return real(method, rows, **kwargs)
 
-    monkeypatch.setattr(eval_run, "_accuracy", counting)
+    monkeypatch.setattr(eval_run, "accuracy", counting)
     again = evaluate(tiny_run.run_dir, resume=True, **settings)
     assert computed == []
     for name in ("no_context", "ilcp"):

@@ -13,7 +13,7 @@ import torch
 
 from ilcp import rclc
 from ilcp.decoding import assemble_prefix, greedy_decode
-from ilcp.evaluation import run as eval_run
+from ilcp.evaluation import session as eval_session
 from ilcp.tasks import BabiTask, EvalRows
 from ilcp.evaluation.registry import EvalContext, expand_method_names, make_method, method_groups
 from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_name, receiver_framing
@@ -242,7 +242,7 @@ def test_bad_rclc_names_are_refused_before_the_lm_loads(run_dir, tmp_path, monke
     def no_lm(*args, **kwargs):
         raise AssertionError("bad names must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_run, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_lm", no_lm)
     with pytest.raises(ValueError, match="unknown selector 'snapkv'"):
         evaluate(run_dir, methods=["rclc:snapkv:r4"])
     eval_script = _load_eval_script()

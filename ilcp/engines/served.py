@@ -64,6 +64,7 @@ from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM, tensor_bytes, vocab_hash
 from ..names import DEFAULT_LM
 from ..transport import TransportPayload
+from ..vllm_engine import check_prefix
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -345,17 +346,8 @@ class ServedDecoder:
 
     def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
         """Raise ValueError for a prefix the server cannot take: not an (L >= 1, H) float tensor,
-        or L + max_new_tokens past the served max_model_len."""
-        hidden = self.lm.hidden_size
-        p = prefix
-        if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
-            raise ValueError(f"prefix {index} must be a (L, {hidden}) tensor with L >= 1, got "
-                             f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
-        if not p.is_floating_point():
-            raise ValueError(f"prefix {index} has dtype {p.dtype}; expected embedding vectors")
-        if self.max_model_len is not None and p.shape[0] + max_new_tokens > self.max_model_len:
-            raise ValueError(f"prefix {index} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it "
-                             f"passes the server's max_model_len of {self.max_model_len}")
+        or L + max_new_tokens past the served max_model_len (`ilcp.vllm_engine.check_prefix`)."""
+        check_prefix(prefix, self.lm.hidden_size, max_new_tokens, self.max_model_len, index, holder="server")
 
     def request_body(self, prefixes: Sequence[Tensor], max_new_tokens: int) -> dict:
         """The completions request for (L_i, H) prefixes: greedy, every sampling setting explicit

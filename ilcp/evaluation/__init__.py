@@ -1,12 +1,12 @@
 """Evaluation: the methods of the protocol, their metrics and the report.
 
-`registry` defines what a method is and resolves names; `methods` (the built-in methods) and
-`rclc_methods` (the ``rclc:...`` family) and `kv_relay` (the ``kv_relay:...`` comparison rows)
-each register their methods there. Importing this package imports every family, so every name
-resolves whichever module is imported first.
+`registry` defines what a method is and resolves names, the built-in ones from the registries of
+`ilcp.names`; `methods` (the built-in methods), `rclc_methods` (the ``rclc:...`` family) and
+`kv_relay` (the ``kv_relay:...`` comparison rows) implement them. Importing this package imports
+every family.
 """
 
-from . import kv_relay, methods, rclc_methods  # noqa: F401  (registers the built-in methods and the families)
+from . import kv_relay, methods, rclc_methods  # noqa: F401  (the families, as attributes of the package)
 from .methods import DEFAULT_METHODS
 from .registry import (Decoded, EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, expand_method_names,
                        make_method, method_groups, method_names, register_group, register_method)

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from ..decoding import greedy_decode
-from ..engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMDecoder, create_engine, model_directory, require_vllm
+from ..engines.vllm import VLLMDecoder, model_directory
 from ..lm import LM
 from ..metrics import first_line, normalize_answer
 from ..names import ENGINES
+from ..vllm_engine import DEFAULT_KV_CACHE_BYTES, create_engine, require_vllm
 from .registry import HandoffMethod
 from .report import accepted_answers, accuracy_summary, wilson_interval
 

@@ -53,7 +53,7 @@ from ..decoding import DecodeResult, decoded_answer, has_line, stop_token_ids  #
 from ..prompts import question_prompt
 from ..rclc.hf import context_limit
 from .rclc_methods import SELECTORS, parse_selection_name, receiver_framing, sender_states
-from .registry import Decoded, EvalContext, HandoffMethod, Sent, register_method
+from .registry import Decoded, EvalContext, HandoffMethod, Sent
 
 __all__ = ["KVHandoff", "KVRelayMethod", "KVRelaySpec", "RelayInputs", "kv_cache_from", "parse_kv_relay_name",
            "prune_kv", "relay_decode"]
@@ -304,6 +304,3 @@ class KVRelayMethod(HandoffMethod):
             decode_s += result.total_s
         return Decoded(answers=answers, wire_bytes=wire, tensor_bytes=list(wire), prefill_positions=positions,
                        decode_s=decode_s)
-
-
-register_method(FAMILY, KVRelayMethod, family=True)

@@ -1,6 +1,5 @@
-"""The built-in handoff methods: ``no_context``, ``prompt_tuned``, ``cold_read``,
-``cold_read_tuned`` and ``ilcp``, registered under their names, and the ``default`` group
-(`DEFAULT_METHODS`).
+"""The built-in handoff methods, each registered under its name in `ilcp.names.METHODS`, and the
+``default`` group (`DEFAULT_METHODS`).
 
 What a method is, and how names resolve, is `ilcp.evaluation.registry`; the ``rclc:...`` family
 is `ilcp.evaluation.rclc_methods`.
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from ..names import DEFAULT_METHODS
 from ..prefix import MemoryLayout, receiver_prefix
-from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, register_group, register_method
+from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent
 
 __all__ = ["DEFAULT_METHODS", "ColdRead", "ColdReadTuned", "ILCPMethod", "NoContext", "PromptTuned"]
 
@@ -126,9 +125,3 @@ class ILCPMethod(HandoffMethod):
         prefixes = [handoff.prefixes(w, [r["question"]])[0] for w, r in zip(wires, rows)]
         return Prefixes(prefixes=prefixes, wire_bytes=[len(w) for w in wires],
                         tensor_bytes=[p.byte_length() for p in payloads])
-
-
-for _cls in (NoContext, PromptTuned, ColdRead, ColdReadTuned, ILCPMethod):
-    register_method(_cls.name, lambda name, cls=_cls: cls(name))
-register_group("default", DEFAULT_METHODS)
-

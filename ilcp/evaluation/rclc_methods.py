@@ -6,7 +6,7 @@
     rclc:chunkkv:r16:tuned     cold_read_tuned's K vectors, then the in-prompt rows
     rclc:cacheback:r4:selection_tuned   selection_tuned's K vectors, then the in-prompt rows
 
-Selectors: ``cacheback``, ``qsnap``, ``chunkkv``, ``sentences``, ``reread``, ``overlap`` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
+Selectors: the names of `ilcp.names.SELECTORS` (`ilcp.rclc.selectors`). Budgets: ``r<N>`` is
 the relative budget ``ceil(T / N)`` of a T-row sender, ``b<N>`` the bounded budget
 ``min(N, T)`` (`ilcp.rclc.budget`); N >= 1.
 
@@ -50,7 +50,8 @@ evaluation times the two sides apart and each `Sent` must stand alone; the recei
 fitting (which only shrinks a budget whose rows would not fit in the receiver's context) is
 therefore not applied, and ``pop`` raises ValueError for rows that do not fit.
 
-Groups for ``--methods`` (`ilcp.evaluation.registry.expand_method_names`): ``rclc`` is
+Groups for ``--methods`` (registered in `ilcp.names.METHOD_GROUPS`, expanded by
+`ilcp.evaluation.registry.expand_method_names`): ``rclc`` is
 `RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`; ``rclc-budgets`` is `RCLC_BUDGETS` (every
 selector at r16, r8, r4, r2, b16 and b32, and r1) and ``rclc-budgets-tuned`` the same rows with
 ``:tuned``. With two budgets or more of one selector, the report adds ``selection_budgets.png``
@@ -71,8 +72,7 @@ from torch import Tensor
 from .. import rclc
 from ..rclc.hf import context_limit
 from ..rclc_prompts import SELECTORS, ReceiverFraming, receiver_framing, selection_prompt_ids
-from .registry import (EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent, register_group,
-                       register_method)
+from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent
 
 __all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",
            "receiver_framing", "selection_prompt_ids"]
@@ -107,7 +107,7 @@ class RCLCSpec:
     """A parsed ``rclc:...`` name.
 
     Attributes:
-        selector: "cacheback", "qsnap" or "chunkkv".
+        selector: a name of `ilcp.names.SELECTORS`.
         ratio: N of ``r<N>``, or None.
         budget: N of ``b<N>``, or None (exactly one of ratio and budget is set).
         placement: "in_prompt" (the default) or "prefix".
@@ -349,10 +349,3 @@ class RCLCMethod(HandoffMethod):
         if self._soft is not None:
             prefix = torch.cat([self._soft.to(device=prefix.device, dtype=prefix.dtype), prefix], dim=0)
         return prefix
-
-
-register_method(FAMILY, RCLCMethod, family=True)
-register_group("rclc", RCLC_METHODS)
-register_group("rclc-quick", RCLC_QUICK)
-register_group("rclc-budgets", RCLC_BUDGETS)
-register_group("rclc-budgets-tuned", RCLC_BUDGETS_TUNED)

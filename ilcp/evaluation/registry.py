@@ -16,11 +16,13 @@ replaces ``build_prefixes`` + the shared greedy decoder on the accuracy path, an
 `decode_received` replaces the shared ``decode_one`` on the timed path (``receive`` then returns
 whatever that decoder starts from). Every other method goes through the shared decoder.
 
-Method families live in their own modules and import only this one (and modules below the
-evaluation package): `ilcp.evaluation.methods` (the built-in methods and the ``default`` group)
-and `ilcp.evaluation.rclc_methods` (the ``rclc:...`` family and its groups). Importing
-`ilcp.evaluation` registers both. Another family registers a factory for a name prefix, so its
-names need no change to the evaluation loop:
+The built-in names are the registries of `ilcp.names` (`METHODS`, `METHOD_FAMILIES`,
+`METHOD_GROUPS`), which the command lines check before torch loads; this module answers each
+with the class, factory or tuple its entry names, importing that module when the name is first
+used: `ilcp.evaluation.methods` (the built-in methods), `ilcp.evaluation.rclc_methods` (the
+``rclc:...`` family and its groups), `ilcp.evaluation.kv_relay` (``kv_relay:...``). A built-in
+method, family or group is one entry there. A family of your own registers a factory for a name
+prefix at run time, so its names need no change to the evaluation loop:
 
     from ilcp.evaluation.registry import HandoffMethod, register_method
 
@@ -42,6 +44,7 @@ from ..decoding import DecodeResult
 from ..export import ExportedRun
 from ..handoff import ILCPHandoff
 from ..lm import LM
+from ..names import METHOD_FAMILIES, METHOD_GROUPS, METHODS, resolve
 
 __all__ = [
     "Decoded",
@@ -215,9 +218,20 @@ class HandoffMethod:
         return f"{type(self).__name__}({self.name!r})"
 
 
-_EXACT: dict[str, Callable[[str], HandoffMethod]] = {}
-_FAMILIES: dict[str, Callable[[str], HandoffMethod]] = {}
-_GROUPS: dict[str, tuple[str, ...]] = {}
+def _factory(target: str) -> Callable[[str], HandoffMethod]:
+    """``factory(name)`` for the class or factory an `ilcp.names` entry names, imported when first called."""
+    return lambda name: resolve(target)(name)
+
+
+def _members(target: str) -> Callable[[], tuple[str, ...]]:
+    """``members()`` for the tuple of method names an `ilcp.names` entry names, imported when first called."""
+    return lambda: tuple(resolve(target))
+
+
+# the built-in names, from the registries of ilcp.names; register_method and register_group add others
+_EXACT: dict[str, Callable[[str], HandoffMethod]] = {name: _factory(e.target) for name, e in METHODS.items()}
+_FAMILIES: dict[str, Callable[[str], HandoffMethod]] = {name: _factory(e.target) for name, e in METHOD_FAMILIES.items()}
+_GROUPS: dict[str, Callable[[], tuple[str, ...]]] = {name: _members(e.target) for name, e in METHOD_GROUPS.items()}
 
 
 def register_method(name: str, factory: Callable[[str], HandoffMethod], *, family: bool = False,
@@ -270,12 +284,13 @@ def register_group(name: str, names: Sequence[str], *, replace: bool = False) ->
         raise ValueError(f"group {name!r} is already registered (pass replace=True to replace it)")
     if isinstance(names, str) or not names:
         raise ValueError(f"group {name!r} needs a non-empty list of method names")
-    _GROUPS[name] = tuple(names)
+    members = tuple(names)
+    _GROUPS[name] = lambda: members
 
 
 def method_groups() -> dict[str, tuple[str, ...]]:
     """Registered groups and their method names."""
-    return dict(_GROUPS)
+    return {name: members() for name, members in _GROUPS.items()}
 
 
 def expand_method_names(names: Sequence[str]) -> list[str]:
@@ -284,5 +299,6 @@ def expand_method_names(names: Sequence[str]) -> list[str]:
     for name in names:
         if not isinstance(name, str):
             raise ValueError(f"method name must be a non-empty string, got {name!r}")
-        out += _GROUPS.get(name.strip(), (name.strip(),))
+        group = _GROUPS.get(name.strip())
+        out += group() if group is not None else (name.strip(),)
     return list(dict.fromkeys(out))

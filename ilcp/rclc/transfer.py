@@ -37,7 +37,7 @@ from ilcp.rclc.message import REPRESENTATIONS, Delivery, Message
 from ilcp.rclc.reasoning import REASONING_CONTEXTS, run_method
 from ilcp.rclc.receiver import ReceiverPlan, RowReceiver
 from ilcp.rclc.record import record_selection as build_record
-from ilcp.rclc.selectors import DEFAULT_SELECTOR, is_builtin, validate_positions
+from ilcp.rclc.selectors import BY_NAME, DEFAULT_SELECTOR, is_builtin, validate_positions
 from ilcp.rclc.state import SenderState, rows_match_ids
 
 
@@ -129,7 +129,7 @@ async def transfer(
         raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
     selector = DEFAULT_SELECTOR if selector is None else selector
     if not callable(selector):
-        hint = ": the built-in ones are rclc.selectors.cacheback, qsnap, chunkkv, sentences, reread and overlap" if isinstance(selector, str) else ""
+        hint = f": the built-in ones are rclc.selectors.{', '.join(BY_NAME)}" if isinstance(selector, str) else ""
         raise TypeError(f"selector must be callable (selector(sender, request_ids, budget) -> positions), got "
                         f"{selector!r}{hint}")
     post_selection = _check_reasoning(reasoning, reasoning_context, reasoning_budget)

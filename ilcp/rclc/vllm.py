@@ -52,6 +52,7 @@ from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
 from ilcp.rclc.backends import BackendUnavailableError, HFBackend, register_vllm_backend, vllm_version
 from ilcp.rclc.state import SenderState
+from ilcp.vllm_engine import create_engine
 
 __all__ = [
     "CAPTURE_UNSUPPORTED",
@@ -150,20 +151,18 @@ def engine_model(llm) -> nn.Module:
 
 
 def start_engine(directory, *, max_model_len: int | None = None, kv_cache_bytes: int = 64 << 20, dtype: str = "auto"):
-    """An in-process engine the adapter can bind: ``vllm.LLM(directory, enable_prompt_embeds=True,
-    enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=1, ...)`` with a small
-    fixed KV cache. Sets VLLM_ENABLE_V1_MULTIPROCESSING=0 unless it is set already.
+    """An in-process engine the adapter can bind: `ilcp.vllm_engine.create_engine` (prompt
+    embeddings on, eager) with ``enable_prefix_caching=False``, ``tensor_parallel_size=1``, a small
+    fixed KV cache and, unless ``max_model_len`` is given, the model's own context. Sets
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 unless it is set already.
 
     Raises:
         BackendUnavailableError: vLLM is not installed.
     """
-    vllm = _require_vllm()
+    _require_vllm()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    kwargs = {"enable_prompt_embeds": True, "enforce_eager": True, "enable_prefix_caching": False,
-              "tensor_parallel_size": 1, "dtype": dtype, "kv_cache_memory_bytes": kv_cache_bytes}
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
-    return vllm.LLM(model=str(directory), **kwargs)
+    return create_engine(directory, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                         enable_prefix_caching=False, tensor_parallel_size=1)
 
 
 def engine_facts(llm) -> dict:

@@ -13,7 +13,7 @@ import torch
 from ilcp.cli import eval_main
 from ilcp.engines.vllm import VLLMDecoder
 from ilcp.evaluation import decoders
-from ilcp.evaluation import run as eval_run
+from ilcp.evaluation import session as eval_session
 from ilcp.evaluation.methods import NoContext
 from ilcp.evaluation.registry import register_method
 from ilcp.evaluation.run import evaluate
@@ -143,7 +143,7 @@ def test_cli_starts_its_engine_with_caches_in_the_output(tiny_vllm_run, tmp_path
                         torch.set_num_threads is set_num_threads))
         return decoder
 
-    monkeypatch.setattr(eval_run, "start_vllm", start_vllm)
+    monkeypatch.setattr(eval_session, "start_vllm", start_vllm)
     out = tmp_path / "out"
     code = eval_main(["--ckpt", str(tiny_vllm_run), "--engine", "vllm", "--methods", "no_context,ilcp", "--limit", "6",
                       "--latency-n", "0", "--lengths", "", "--max-new-tokens", "3", "--vllm-kv-cache-mb", "64",

@@ -164,6 +164,36 @@ def test_rclc_rows_answer_as_in_process(server, tiny_engine, tiny_vllm_lm, tiny_
     assert decoder.answer(popped[0]) == local.decode(rows[:1], max_new_tokens=8)[0]
 
 
+def _readme_snippet(name: str) -> str:
+    """The README's ```python block after ``<!-- snippet: NAME -->``."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n", text.index(f"<!-- snippet: {name} -->")) + len("```python\n")
+    return text[start:text.index("```\n", start)]
+
+
+def test_the_readmes_served_snippet_runs_against_the_server(server, tiny_vllm_run, tiny_handoff, local_engine,
+                                                             capsys):
+    """The README's served snippet, whole, with the test run and this server in place of its run
+    folder and URL: it prints the ILCP answer and the RCLC answer the in-process engine gives."""
+    code = _readme_snippet("served")
+    assert code.count('"checkpoints/default"') == 1 and code.count('"http://127.0.0.1:8000/v1"') == 1
+    code = code.replace('"checkpoints/default"', repr(str(tiny_vllm_run)))
+    code = code.replace('"http://127.0.0.1:8000/v1"', repr(server.url))
+    exec(compile(code, "README.md served snippet", "exec"), {"__name__": "readme_snippet"})
+    printed = capsys.readouterr().out.splitlines()
+    local = VLLMReceiver(tiny_handoff, local_engine)
+    story = "Mary moved to the hallway. John went to the garden."
+    assert len(printed) == 2
+    assert printed[0] == local.receive(tiny_handoff.send(story), "Where is Mary?")
+    lm = tiny_handoff.lm
+    a = rclc.bind(lm.model, lm.tokenizer, messages=[{"role": "user", "content": story}], placement="in_prompt",
+                  max_new_tokens=8)
+    b = rclc.bind(lm.model, lm.tokenizer, messages=[], placement="in_prompt", max_new_tokens=8)
+    rclc.transfer_sync(a, b, "Where is Mary?", ratio=4)
+    rows = b.pop()["inputs_embeds"]
+    assert printed[1] == VLLMDecoder(lm, local_engine).decode([rows[0]], max_new_tokens=8)[0]
+
+
 def test_sealed_payloads_are_opened_by_the_receiver_only(server, tiny_vllm_run, tiny_vllm_lm, tiny_handoff,
                                                          local_engine, monkeypatch):
     sender = ILCPHandoff.from_pretrained(tiny_vllm_run, lm=tiny_vllm_lm, auth_key=KEY)

@@ -1,10 +1,16 @@
-"""Without vLLM the module imports, and building an engine says how to install vLLM."""
+"""Without vLLM the modules import, building an engine says how to install vLLM, every engine is
+built by `ilcp.vllm_engine.create_engine`, and engines and servers check prefixes alike."""
 
+import os
+import subprocess
 import sys
+import types
 
 import pytest
+import torch
 
 from ilcp.engines import vllm as engines
+from ilcp.vllm_engine import check_prefix
 
 
 @pytest.fixture
@@ -39,3 +45,60 @@ def test_generation_engine_kwargs_need_no_vllm(no_vllm):
     assert engines.engine_kwargs(max_model_len=512, seed=3)["seed"] == 3
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         engines.engine_kwargs(kv_cache_memory_bytes=0)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in ``vllm`` module whose ``LLM`` records the arguments it is built with."""
+    built = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    module = types.ModuleType("vllm")
+    module.LLM = LLM
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return built
+
+
+def test_every_engine_is_built_by_the_one_factory(fake_vllm):
+    from ilcp.rclc import vllm as rclc_vllm
+
+    engines.create_engine("/models/a", max_model_len=512, seed=3)
+    rclc_vllm.start_engine("/models/b")
+    assert fake_vllm[0] == {"model": "/models/a", "dtype": "float32", "enforce_eager": True,
+                            "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512, "enable_prompt_embeds": True,
+                            "seed": 3}
+    # rclc's engine: the model's own context, vLLM's dtype, a small KV cache, no prefix caching
+    assert fake_vllm[1] == {"model": "/models/b", "dtype": "auto", "enforce_eager": True,
+                            "kv_cache_memory_bytes": 64 << 20, "enable_prompt_embeds": True,
+                            "enable_prefix_caching": False, "tensor_parallel_size": 1}
+
+
+def test_importing_the_factory_imports_no_vllm():
+    probe = "import sys, ilcp.vllm_engine, ilcp.engines.vllm, ilcp.rclc.vllm; print('vllm' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_one_prefix_check_for_engines_and_servers():
+    ok = torch.zeros(3, 8)
+    check_prefix(ok, 8, 5, 8)
+    check_prefix(ok, 8, 500, None)  # a server that reports no max_model_len
+    with pytest.raises(ValueError, match=r"prefix 2 must be a \(L, 8\) tensor with L >= 1, got \(3, 4\)"):
+        check_prefix(torch.zeros(3, 4), 8, 5, 8, 2)
+    with pytest.raises(ValueError, match=r"must be a \(L, 8\) tensor with L >= 1, got \(0, 8\)"):
+        check_prefix(torch.zeros(0, 8), 8, 5, 8)
+    with pytest.raises(ValueError, match="got list"):
+        check_prefix([[0.0] * 8], 8, 5, 8)
+    with pytest.raises(ValueError, match="has dtype torch.int64; expected embedding vectors"):
+        check_prefix(torch.zeros(3, 8, dtype=torch.long), 8, 5, 8)
+    with pytest.raises(ValueError, match="prefix 0 has 3 positions; with max_new_tokens=6 it passes the engine's "
+                                         "max_model_len of 8"):
+        check_prefix(ok, 8, 6, 8)
+    with pytest.raises(ValueError, match="passes the server's max_model_len of 8"):
+        check_prefix(ok, 8, 6, 8, holder="server")

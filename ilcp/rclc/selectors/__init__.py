@@ -1,9 +1,14 @@
 """Built-in selectors and the selector contract (see `ilcp.rclc.selectors.base`).
 
-``cacheback`` (the default), ``qsnap``, ``chunkkv``, ``sentences``, ``reread`` and ``overlap`` are ready-made instances; build your own
-settings from the classes, e.g. ``CacheBack(window=8)``.
+Every selector registered in `ilcp.names.SELECTORS` (``cacheback``, the default, and the others)
+is a ready-made instance here under its name, e.g. ``rclc.selectors.qsnap``, and in `BY_NAME`;
+build your own settings from the classes, e.g. ``CacheBack(window=8)``. A new built-in selector
+is its module in this package and one entry in `ilcp.names.SELECTORS`.
 """
 
+from ilcp.names import DEFAULT_SELECTOR as _DEFAULT_NAME
+from ilcp.names import SELECTORS as _REGISTERED
+from ilcp.names import resolve as _resolve
 from ilcp.rclc.selectors.base import (
     AttentionProfile,
     Selector,
@@ -19,16 +24,12 @@ from ilcp.rclc.selectors.qsnap import QSnap
 from ilcp.rclc.selectors.reread import Reread
 from ilcp.rclc.selectors.sentences import Sentences
 
-cacheback = CacheBack()
-qsnap = QSnap()
-chunkkv = ChunkKV()
-sentences = Sentences()
-reread = Reread()
-overlap = Overlap()
-DEFAULT_SELECTOR = cacheback
+BY_NAME: dict[str, Selector] = {name: _resolve(entry.target)() for name, entry in _REGISTERED.items()}
+"""Name -> the ready-made instance (default settings) of each registered selector, in registry order."""
+globals().update(BY_NAME)
+DEFAULT_SELECTOR = BY_NAME[_DEFAULT_NAME]
 
 __all__ = [
-    "AttentionProfile", "CacheBack", "ChunkKV", "DEFAULT_SELECTOR", "Overlap", "QSnap", "Reread", "Selector",
-    "Sentences", "attention_profile", "cacheback", "chunkkv", "is_builtin", "overlap", "qsnap", "reread",
-    "select_groups", "sentences", "validate_positions",
+    "AttentionProfile", "BY_NAME", "CacheBack", "ChunkKV", "DEFAULT_SELECTOR", "Overlap", "QSnap", "Reread",
+    "Selector", "Sentences", "attention_profile", "is_builtin", "select_groups", "validate_positions", *BY_NAME,
 ]
