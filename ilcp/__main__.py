@@ -1,4 +1,4 @@
-"""``python -m ilcp train ...`` / ``eval ...`` / ``report`` (see `ilcp.cli`)."""
+"""``python -m ilcp train ...`` / ``eval ...`` / ``serve RUN`` (see `ilcp.cli`)."""
 
 import sys
 

@@ -1,6 +1,6 @@
 """Command lines: ``ilcp-train`` / ``python -m ilcp train`` and ``ilcp-eval`` / ``python -m ilcp
 eval`` (``train.py`` and ``eval.py`` at the repository root call the same functions), and
-``python -m ilcp report`` (the docs generated from docs/results, `ilcp.results_docs`).
+``python -m ilcp serve RUN``.
 
 Progress goes through `logging` (logger ``ilcp``, one ``[ilcp]`` line per event); Lightning's
 start-up banners and tips are silenced here, in the command lines, never at import time.
@@ -369,13 +369,6 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report_main(argv: list[str] | None = None) -> int:
-    """``python -m ilcp report [--check]``: the docs generated from docs/results (`ilcp.results_docs`)."""
-    from .results_docs import main as report
-
-    return report(argv)
-
-
 SERVE_HELP = """Serve a run's LM with vLLM for receivers that decode over HTTP (ilcp.engines.served).
 
     .venv-vllm/bin/python -m ilcp serve checkpoints/default --port 8000
@@ -433,10 +426,10 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ilcp train ...``, ``eval ...``, ``report`` or ``serve RUN``."""
+    """``python -m ilcp train ...``, ``eval ...`` or ``serve RUN``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "eval": eval_main, "report": report_main, "serve": serve_main}
-    usage = "usage: python -m ilcp {train,eval,report,serve} [arguments]  (python -m ilcp train --help)"
+    commands = {"train": train_main, "eval": eval_main, "serve": serve_main}
+    usage = "usage: python -m ilcp {train,eval,serve} [arguments]  (python -m ilcp train --help)"
     if argv and argv[0] in ("-h", "--help"):
         print(usage)
         return 0

@@ -1,7 +1,7 @@
 """Where a measurement came from: the command, date, commit, versions, threads and machine.
 
 `provenance` is recorded in every results.json that eval writes (key ``"provenance"``), and
-`ilcp.results_docs` prints it at the top of each docs/results/ folder's README. A field that
+`ilcp_experiments.results_docs` prints it at the top of each docs/results/ folder's README. A field that
 could not be read is None, which the READMEs print as "not recorded".
 """
 

@@ -245,7 +245,7 @@ def _(s):
     return ["--config", str(TINY), "--resume", *runs(s), "compressor.latent_dim=16"]
 
 
-@train_case("python -m ilcp with an unknown command", "'fit'", "{train,eval,report,serve}")
+@train_case("python -m ilcp with an unknown command", "'fit'", "{train,eval,serve}")
 def _(s):
     s.main = cli.main
     return ["fit", "--config", str(TINY)]

@@ -12,7 +12,7 @@ from ilcp.evaluation import run as eval_run
 from ilcp.evaluation import session as eval_session
 from ilcp.evaluation.methods import DEFAULT_METHODS, ColdRead, ILCPMethod
 from ilcp.evaluation.registry import _FAMILIES, EvalContext, HandoffMethod, Sent, make_method, register_method
-from ilcp.evaluation.report import bootstrap_interval, latency_summary
+from ilcp.stats import bootstrap_interval, latency_summary
 from ilcp.evaluation.run import evaluate
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
@@ -292,7 +292,7 @@ def test_a_run_trained_on_a_babi_mix_is_evaluated_on_each_of_its_tasks():
 
 
 def test_wilson_interval_does_not_collapse_at_zero_or_all_hits():
-    from ilcp.evaluation.report import wilson_interval
+    from ilcp.stats import wilson_interval
 
     low, high = wilson_interval([0.0] * 200)
     assert low == 0.0 and 0.015 < high < 0.025

@@ -127,3 +127,29 @@ def test_the_runtime_handoff_does_not_load_lightning():
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded["runtime"] == [], f"the runtime imports load {loaded['runtime'][:5]}"
     assert loaded["training"] == ["lightning"]  # the probe sees Lightning where it is loaded
+
+
+def test_the_runtime_package_does_not_import_the_experiment_drivers():
+    """ilcp_experiments (the sweep, the results docs) sits beside the package, outside the wheel:
+    no module under ilcp/ names it, and importing the package and its command lines loads none of it."""
+    import json
+    import subprocess
+    import sys
+
+    def imported(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return ({a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+                | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module})
+
+    named = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+                   if any(m.split(".")[0] == "ilcp_experiments" for m in imported(path)))
+    assert named == []
+    probe = (
+        "import json, sys\n"
+        "import ilcp, ilcp.handoff, ilcp.cli, ilcp.evaluation, ilcp.evaluation.run, ilcp.evaluation.report\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'ilcp_experiments')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

@@ -14,6 +14,7 @@ from ilcp.names import Registered, RegisteredMemoryKind, resolve
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ilcp"
 REGISTRY = PACKAGE / "names.py"
+EXPERIMENTS = PACKAGE.parent / "ilcp_experiments"  # the experiment drivers read the same registry
 
 
 def flat(text: str) -> str:
@@ -139,11 +140,11 @@ NOT_COPIES = {
     ("ilcp/evaluation/decoders.py", "THROUGHPUT_METHODS"): "the methods whose decode throughput is measured",
     ("ilcp/evaluation/side_sweeps.py", "LENGTH_METHODS"): "the methods of the context-length sweep",
     ("ilcp/evaluation/side_sweeps.py", "FACTS_COUNT_METHODS"): "the methods of the facts-count sweep",
-    ("ilcp/evaluation/sweep.py", "_SELECTION_FAMILIES"): "the families whose names carry a selector",
-    ("ilcp/evaluation/sweep.py", "_TEXT_METHODS"): "the methods that read the context text",
-    ("ilcp/evaluation/sweep.py", "_EMPTY_METHODS"): "the methods that carry no context",
-    ("ilcp/evaluation/sweep.py", "_REFERENCE_MARKERS"): "the plot's reference rows",
-    ("ilcp/results_docs.py", "babilong_targets"): "the rows a results page compares",
+    ("ilcp_experiments/sweep/schema.py", "_SELECTION_FAMILIES"): "the families whose names carry a selector",
+    ("ilcp_experiments/sweep/run.py", "TEXT_METHODS"): "the methods that read the context text",
+    ("ilcp_experiments/sweep/run.py", "EMPTY_METHODS"): "the methods that carry no context",
+    ("ilcp_experiments/sweep/render.py", "_REFERENCE_MARKERS"): "the plot's reference rows",
+    ("ilcp_experiments/results_docs/blocks.py", "babilong_targets"): "the rows a results page compares",
 }
 
 
@@ -194,7 +195,7 @@ def pick(name):
 
 def test_no_list_of_a_kinds_names_is_spelled_outside_the_registry():
     copies, seen = [], set()
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *EXPERIMENTS.rglob("*.py")]):
         if path == REGISTRY:
             continue
         relative = str(path.relative_to(PACKAGE.parent))

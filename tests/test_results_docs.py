@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from ilcp import results_docs
-from ilcp.cli import main
+from ilcp_experiments import results_docs
+from ilcp_experiments.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_generated_file_is_what_the_report_command_writes():
     stale = [p.relative_to(ROOT).as_posix() for p in results_docs.stale(ROOT)]
-    assert stale == [], f"out of date (run `python -m ilcp report`): {stale}"
+    assert stale == [], f"out of date (run `python -m ilcp_experiments report`): {stale}"
 
 
 def test_every_figure_of_the_results_at_a_glance_is_read_from_a_results_json():
@@ -118,8 +118,9 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "`rclc:reread:r8` 40.0% exact" in block  # the r8 target reads both 2k folders
     assert "| `kv_relay:cacheback` (cache entries) | - | - | 5.0 [0.0, 15.0] | - | - | - |" in block
     assert "Other recipes: [babilong-1k]" in block
-    short = results_docs.babilong_block(results, "docs/results/", grids=False)  # the README's: a link, not the grid
+    short = results_docs.babilong_block(results, "docs/results/", full=False)  # the README's: a link, not the grid
     assert "RCLC rows at" not in short and "[babilong.md](docs/results/babilong.md)" in short
+    assert "The targets" not in short and "Other recipes" not in short
     assert short.split("\n\n")[:2] == block.replace("](", "](docs/results/").split("\n\n")[:2]
     assert "![babilong_lengths](babilong_lengths.png)" in block and "babilong_ttft_2k" not in block  # none timed
     assert [p.name for p in results_docs.draw_babilong(results)] == ["babilong_lengths.png"]

@@ -1,4 +1,4 @@
-"""ilcp.evaluation.sweep (the payload sweep; scripts/sweep.py is its command line): the tiny sweep
+"""ilcp_experiments.sweep (the payload sweep; `python -m ilcp_experiments sweep` is its command line): the tiny sweep
 end to end (train, evaluate, plot, table), reuse of finished runs and evaluations, refusal of a
 changed run, and the checks on sweep files."""
 
@@ -13,7 +13,8 @@ import yaml
 
 from ilcp.cli import build_eval_parser
 from ilcp.config import load_config
-from ilcp.evaluation import sweep as payload_sweep
+from ilcp_experiments import sweep as payload_sweep
+from ilcp_experiments.sweep import render, schema
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS = REPO / "configs" / "sweep"
@@ -111,7 +112,7 @@ def test_the_selection_table_divides_by_the_r1_row_of_the_same_option():
     def row(label, em, wire):
         return {"label": label, "exact_match": em, "exact_match_ci": [em, em], "wire_bytes": wire, "n": 10}
 
-    lines = payload_sweep.selection_table([
+    lines = render.selection_table([
         row("rclc:cacheback:r1", 0.4, 100), row("rclc:cacheback:r4", 0.1, 25), row("rclc:cacheback:r16", 0.0, 7),
         row("rclc:cacheback:b16", 0.2, 50), row("rclc:qsnap:r4", 0.3, 25), row("rclc:qsnap:r16", 0.2, 7),
         row("rclc:cacheback:r1:tuned", 0.5, 100), row("rclc:qsnap:r4:tuned", 0.5, 25),
@@ -121,7 +122,7 @@ def test_the_selection_table_divides_by_the_r1_row_of_the_same_option():
     assert table["rclc:cacheback"] == "| rclc:cacheback | 0.0 | 10.0 | 20.0 | 40.0 | 25% | 0% |"
     assert table["rclc:qsnap"] == "| rclc:qsnap | 20.0 | 30.0 | - | 40.0 | 75% | 50% |"
     assert table["rclc:qsnap:tuned"] == "| rclc:qsnap:tuned | - | 50.0 | - | 50.0 | 100% | - |"
-    assert payload_sweep.selection_table([row("rclc:qsnap:r4", 0.3, 25)]) == []  # no curve of two budgets
+    assert render.selection_table([row("rclc:qsnap:r4", 0.3, 25)]) == []  # no curve of two budgets
 
 
 def test_a_second_run_reuses_the_trained_runs(tiny_sweep, tiny_lm):
@@ -307,7 +308,7 @@ def test_override_forms_and_a_reference_without_weights(tmp_path):
     assert (cfg.compressor.beta, cfg.handoff.max_steps, cfg.handoff.batch_size) == (0.2, 3, 2)
     assert (cfg.compressor.latent_dim, cfg.compressor.pooling, cfg.handoff.finetune_encoder) == (12, "mean", False)
     assert sweep.reference.run is None and list(sweep.configs) == ["a"]
-    assert payload_sweep.eval_entries(sweep)[0].run == "a"
+    assert schema.eval_entries(sweep)[0].run == "a"
 
 
 def test_selection_rows_needing_weights_train_them_on_the_reference_run(tmp_path):
@@ -320,15 +321,15 @@ def test_selection_rows_needing_weights_train_them_on_the_reference_run(tmp_path
     sweep = payload_sweep.load_sweep(path)
     assert sweep.reference.run == "reference" and list(sweep.configs["reference"].handoff.variants) == [
         "cold_read_tuned"]
-    entry = payload_sweep.eval_entries(sweep)[-1]
+    entry = schema.eval_entries(sweep)[-1]
     assert (entry.label, entry.kind, entry.run) == ("selection", "selection", "reference")
-    settings = payload_sweep._entry_settings(sweep, entry)
+    settings = schema.entry_settings(sweep, entry)
     assert (settings.tasks, settings.limit, settings.facts_counts) == (("babi:2",), 50, ())
     assert payload_sweep.load_sweep(path, limit=5).selection.limit == 5  # --limit sets it too
     raw = yaml.safe_load(path.read_text())
     raw["selection"].update(tasks=[], limit=0)
     path.write_text(yaml.safe_dump(raw))
-    assert payload_sweep.load_sweep(path).selection == payload_sweep.Selection(
+    assert payload_sweep.load_sweep(path).selection == schema.Selection(
         methods=("rclc:qsnap:r4:tuned", "rclc:qsnap:r1:tuned", "rclc:qsnap:r4"), tasks=(), limit=None)
 
 
@@ -344,12 +345,15 @@ def test_the_command_line_rejects_bad_arguments(tmp_path, capsys):
     assert "key=value" in capsys.readouterr().err
 
 
-def test_the_script_is_the_package_command_line():
+def test_the_command_line_runs_from_the_repository():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep.py"), "--help"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "ilcp_experiments", "sweep", "--help"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--sweep SWEEP" in done.stdout and "The sweep file (YAML" in done.stdout
+    unknown = subprocess.run([sys.executable, "-m", "ilcp_experiments", "sweeps"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown command 'sweeps'" in unknown.stderr
 
 
 def test_eval_py_takes_the_payload_dtype():

@@ -602,7 +602,7 @@ def test_the_shipped_squad_task(squad_splits):
 def test_the_sweep_reads_file_task_names_through_the_registry(tmp_path):
     """A sweep's eval.tasks takes a file task (a per-split list keeps its commas) and refuses a
     missing file in one line."""
-    from ilcp.evaluation.sweep import SweepError, _eval_settings
+    from ilcp_experiments.sweep.schema import SweepError, _eval_settings
 
     notes = tmp_path / "notes.jsonl"
     notes.write_text(json.dumps({"context": "c", "question": "q", "answer": "a"}) + "\n")

@@ -38,9 +38,10 @@ from ..engines.vllm import VLLMDecoder, model_directory
 from ..lm import LM
 from ..metrics import first_line, normalize_answer
 from ..names import ENGINES
+from ..stats import wilson_interval
 from ..vllm_engine import DEFAULT_KV_CACHE_BYTES, create_engine, require_vllm
 from .registry import HandoffMethod
-from .report import accepted_answers, accuracy_summary, wilson_interval
+from .report import accepted_answers, accuracy_summary
 
 __all__ = [
     "ENGINES",

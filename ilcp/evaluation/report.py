@@ -1,8 +1,6 @@
-"""Statistics and the written report of an evaluation: results.json, results.md and the plots.
+"""The written report of an evaluation: results.json, results.md and the plots.
 
-- `wilson_interval`: the 95% Wilson score interval of an accuracy (a proportion of 0/1 outcomes);
-- `bootstrap_interval`: a seeded percentile bootstrap of a mean (for quantities that are not 0/1).
-- `latency_summary`: p50 / p99 / mean of per-request seconds.
+- `accuracy_summary`: exact match, contains and F1 of predictions, with intervals (`ilcp.stats`);
 - `write_report`: results.json (the dict `evaluate` returns), results.md (a table per task,
   the HF-against-vLLM table and the receiver-throughput table when measured, the
   context-length table, the facts-count table), and the PNG plots (matplotlib, Agg backend).
@@ -15,14 +13,12 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from ..io import atomic_write_json, atomic_write_text
+from ..formatting import byte_count, percent
+from ..stats import bootstrap_interval, mean, wilson_interval
 
 __all__ = [
-    "bootstrap_interval",
-    "wilson_interval",
-    "latency_summary",
+    "accuracy_summary",
     "markdown_report",
     "plot_accuracy_vs_bytes",
     "plot_selection_budgets",
@@ -41,31 +37,6 @@ PLOT_LENGTH_TTFT = "accuracy_vs_receiver_ttft.png"
 _SELECTION_ROW = re.compile(r"(rclc|kv_relay):([A-Za-z0-9_]+):([rb])([0-9]+)((?::[A-Za-z_]+)*)\Z")
 
 
-def wilson_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Wilson score interval of a proportion (values are 0/1 outcomes).
-
-    Unlike the percentile bootstrap it does not collapse to [0, 0] at 0 hits or [1, 1] at all
-    hits: 0 of 200 gives [0.0, 0.019].
-
-    Returns:
-        (low, high), or None for no values.
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        return None
-    if not np.isin(x, (0.0, 1.0)).all():
-        raise ValueError("a Wilson interval is for 0/1 outcomes")
-    from statistics import NormalDist
-
-    z = NormalDist().inv_cdf(0.5 + level / 2.0)
-    n, p = x.size, float(x.mean())
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
-
-
 def accuracy_summary(predictions: Sequence[str], answers: Sequence, *, open_text: bool = False) -> dict:
     """n, exact match, contains (each with its Wilson interval) and token F1 (with a bootstrap
     interval) of predictions; an answer is a string or a list of accepted answers. ``open_text``:
@@ -77,8 +48,8 @@ def accuracy_summary(predictions: Sequence[str], answers: Sequence, *, open_text
           [float(exact_match(p, a)) for p, a in zip(predictions, answers)])
     contains = [float(contains_answer(p, a)) for p, a in zip(predictions, answers)]
     f1 = [s[1] for s in scores]
-    return {"n": len(answers), "exact_match": _mean(em), "exact_match_ci": wilson_interval(em),
-            "contains": _mean(contains), "contains_ci": wilson_interval(contains), "f1": _mean(f1),
+    return {"n": len(answers), "exact_match": mean(em), "exact_match_ci": wilson_interval(em),
+            "contains": mean(contains), "contains_ci": wilson_interval(contains), "f1": mean(f1),
             "f1_ci": bootstrap_interval(f1), "scoring": "squad" if open_text else "closed"}
 
 
@@ -87,69 +58,17 @@ def accepted_answers(row: dict) -> list[str]:
     return list(row.get("answers") or [row["answer"]])
 
 
-def _mean(x):
-    return sum(x) / len(x) if x else None
 
-
-def bootstrap_interval(values: Sequence[float], *, resamples: int = 1000, level: float = 0.95,
-                       seed: int = 0) -> tuple[float, float] | None:
-    """Percentile bootstrap interval of the mean of ``values`` (seeded, so reproducible).
-
-    Returns:
-        (low, high), or None for no values.
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
-    tail = (1.0 - level) / 2.0 * 100.0
-    low, high = np.percentile(means, [tail, 100.0 - tail])
-    return float(low), float(high)
-
-
-def latency_summary(seconds: Sequence[float]) -> dict:
-    """{"n", "p50", "p99", "mean"} in seconds (None when no request was timed).
-
-    With few requests p99 is close to the slowest one; ``n`` says how many there were.
-    """
-    x = np.asarray(seconds, dtype=np.float64)
-    if x.size == 0:
-        return {"n": 0, "p50": None, "p99": None, "mean": None}
-    return {"n": int(x.size), "p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
-            "mean": float(x.mean())}
 
 
 # --------------------------------------------------------------------------------------------
 # markdown
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
-
-
-def _ci(point, ci) -> str:
-    if point is None:
-        return "-"
-    if not ci:
-        return _pct(point)
-    return f"{_pct(point)} [{_pct(ci[0])}, {_pct(ci[1])}]"
-
-
 def _ms(summary: dict | None, key: str) -> str:
     if not summary or summary.get(key) is None:
         return "-"
     return f"{1000 * summary[key]:.1f}"
-
-
-def _bytes(x) -> str:
-    if x is None:
-        return "-"
-    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
 def _method_table(methods: dict, limit) -> list[str]:
@@ -161,9 +80,9 @@ def _method_table(methods: dict, limit) -> list[str]:
     for name, m in methods.items():
         lat = m.get("latency", {})
         lines.append(
-            f"| {name} | {m['n']} ({limit or 'all'}) | {_ci(m['exact_match'], m['exact_match_ci'])} "
-            f"| {_ci(m['contains'], m['contains_ci'])} | {_ci(m['f1'], m.get('f1_ci'))} "
-            f"| {_bytes(m['wire_bytes'])} | {_bytes(m['tensor_bytes'])} | {m['prefill_positions']:.1f} "
+            f"| {name} | {m['n']} ({limit or 'all'}) | {percent(m['exact_match'], m['exact_match_ci'])} "
+            f"| {percent(m['contains'], m['contains_ci'])} | {percent(m['f1'], m.get('f1_ci'))} "
+            f"| {byte_count(m['wire_bytes'])} | {byte_count(m['tensor_bytes'])} | {m['prefill_positions']:.1f} "
             f"| {_ms(lat.get('sender_s'), 'p50')} / {_ms(lat.get('sender_s'), 'p99')} "
             f"| {_ms(lat.get('receiver_ttft_s'), 'p50')} / {_ms(lat.get('receiver_ttft_s'), 'p99')} "
             f"| {_ms(lat.get('handoff_s'), 'p50')} / {_ms(lat.get('handoff_s'), 'p99')} "
@@ -186,7 +105,7 @@ def _engine_sections(results: dict) -> list[str]:
                 f"The same prefixes of every question decoded by the HF greedy decoder and through one vLLM engine "
                 f"(vLLM {info.get('vllm_version')}, {info.get('dtype')}, prompt embeddings, greedy, the same stop "
                 "rule and token budget). Agreement: questions whose normalised first lines are identical. "
-                f"Over all methods: {_pct(summary.get('agreement'))}% ({summary.get('agree')} of "
+                f"Over all methods: {percent(summary.get('agreement'))}% ({summary.get('agree')} of "
                 f"{summary.get('questions')} questions).", "",
                 "| task | method | n | HF exact match % [95% CI] | vLLM exact match % [95% CI] | agreement % [95% CI] "
                 "| differ | HF decode s | vLLM decode s |",
@@ -198,12 +117,12 @@ def _engine_sections(results: dict) -> list[str]:
                 if not v:
                     continue
                 if "unavailable" in v:
-                    out.append(f"| {task} | {name} | {m['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
+                    out.append(f"| {task} | {name} | {m['n']} | {percent(m['exact_match'], m['exact_match_ci'])} "
                                "| unavailable | - | - | - | - |")
                     notes.append(f"- {task} {name}: {v['unavailable']}")
                     continue
-                out.append(f"| {task} | {name} | {v['n']} | {_ci(m['exact_match'], m['exact_match_ci'])} "
-                           f"| {_ci(v['exact_match'], v['exact_match_ci'])} | {_ci(v['agreement'], v['agreement_ci'])} "
+                out.append(f"| {task} | {name} | {v['n']} | {percent(m['exact_match'], m['exact_match_ci'])} "
+                           f"| {percent(v['exact_match'], v['exact_match_ci'])} | {percent(v['agreement'], v['agreement_ci'])} "
                            f"| {v['disagree']} | {m.get('decode_s', 0):.1f} | {v['decode_s']:.1f} |")
                 for d in v.get("disagreements", []):
                     notes.append(f"- {task} {name}, question {d['id']} ({d['question']!r}, answer {d['answer']!r}): "
@@ -284,8 +203,8 @@ def _length_section(results: dict) -> list[str]:
         for method, points in methods.items():
             for tokens, _, m in points:
                 lat = m.get("latency") or {}
-                out.append(f"| {number} | {method} | {tokens:.0f} | {_ci(m['exact_match'], m['exact_match_ci'])} "
-                           f"| {m.get('prefill_positions', 0):.0f} | {_bytes(m['wire_bytes'])} "
+                out.append(f"| {number} | {method} | {tokens:.0f} | {percent(m['exact_match'], m['exact_match_ci'])} "
+                           f"| {m.get('prefill_positions', 0):.0f} | {byte_count(m['wire_bytes'])} "
                            f"| {_ms(lat.get('receiver_ttft_s'), 'p50')} / {_ms(lat.get('receiver_ttft_s'), 'p99')} "
                            f"| {_ms(lat.get('sender_s'), 'p50')} | {_ms(lat.get('sender_reusing_forward_s'), 'p50')} |")
     return out + [""]
@@ -300,12 +219,12 @@ def _tasks_overview(tasks: dict) -> list[str]:
     out = ["## Exact match % by task", "", "| task | n | " + " | ".join(f"`{m}`" for m in methods) + " |",
            "|---|---|" + "---|" * len(methods)]
     for task, t in tasks.items():
-        cells = [_pct(t["methods"][m]["exact_match"]) if m in t["methods"] else "-" for m in methods]
+        cells = [percent(t["methods"][m]["exact_match"]) if m in t["methods"] else "-" for m in methods]
         out.append(f"| {task}{'' if t['seen_in_training'] else ' (held out)'} | {t['n']} | " + " | ".join(cells) + " |")
     means = []
     for m in methods:
         scores = [t["methods"][m]["exact_match"] for t in tasks.values() if m in t["methods"]]
-        means.append(_pct(sum(scores) / len(scores)) if len(scores) == len(tasks) else "-")
+        means.append(percent(sum(scores) / len(scores)) if len(scores) == len(tasks) else "-")
     out += [f"| mean over {len(tasks)} tasks | | " + " | ".join(means) + " |", ""]
     return out
 
@@ -363,8 +282,8 @@ def markdown_report(results: dict) -> str:
         out += ["## Accuracy against the number of facts in the context (facts task)", "",
                 "| method | facts | n | exact match % [95% CI] | contains % [95% CI] |", "|---|---|---|---|---|"]
         for r in facts["rows"]:
-            out.append(f"| {r['method']} | {r['n_facts']} | {r['n']} | {_ci(r['exact_match'], r['exact_match_ci'])} "
-                       f"| {_ci(r['contains'], r['contains_ci'])} |")
+            out.append(f"| {r['method']} | {r['n_facts']} | {r['n']} | {percent(r['exact_match'], r['exact_match_ci'])} "
+                       f"| {percent(r['contains'], r['contains_ci'])} |")
         out.append("")
     if results.get("skipped"):
         out += ["## Skipped methods", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()] + [""]

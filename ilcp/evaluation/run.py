@@ -47,6 +47,7 @@ import torch
 
 from ..engines.vllm import VLLMDecoder
 from ..eval_config import EvalConfig
+from ..formatting import percent
 from ..io import atomic_write_text
 from ..lm import LM
 from ..pooling import context_lengths
@@ -198,7 +199,7 @@ def evaluate_task(session: EvalSession, spec: Task,
             task_result["methods"][m.name], by_method[m.name] = metrics, preds
             if vllm_preds is not None:
                 by_method_vllm[m.name] = vllm_preds
-            say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])} "
+            say(f"  {m.name:>16}: exact match {percent(metrics['exact_match'], metrics['exact_match_ci'], unit='%')} "
                 f"(saved by an earlier evaluation, {part})")
             continue
         t0 = time.perf_counter()
@@ -222,22 +223,16 @@ def evaluate_task(session: EvalSession, spec: Task,
             write_part(part, key, metrics, preds, vllm_preds)
         if vllm_preds is not None:
             by_method_vllm[m.name] = vllm_preds
-        say(f"  {m.name:>16}: exact match {_fmt(metrics['exact_match'], metrics['exact_match_ci'])}, "
-            f"contains {_fmt(metrics['contains'], metrics['contains_ci'])}, "
+        say(f"  {m.name:>16}: exact match {percent(metrics['exact_match'], metrics['exact_match_ci'], unit='%')}, "
+            f"contains {percent(metrics['contains'], metrics['contains_ci'], unit='%')}, "
             f"{metrics['wire_bytes']:,.0f} B on the wire ({accuracy_s:.0f}s accuracy, "
             f"{metrics['seconds']['latency']:.0f}s latency)")
         if "vllm" in metrics:
             v = metrics["vllm"]
             say(f"  {'':>16}  " + (v["unavailable"] if "unavailable" in v else
-                                   f"vLLM: exact match {_fmt(v['exact_match'], v['exact_match_ci'])}, agreement "
-                                   f"with HF {_fmt(v['agreement'], None)} ({v['disagree']} of {v['n']} differ)"))
+                                   f"vLLM: exact match {percent(v['exact_match'], v['exact_match_ci'], unit='%')}, agreement "
+                                   f"with HF {percent(v['agreement'], unit='%')} ({v['disagree']} of {v['n']} differ)"))
     return task_result, (rows, by_method, by_method_vllm)
-
-
-def _fmt(point, ci) -> str:
-    if point is None:
-        return "-"
-    return f"{100 * point:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else f"{100 * point:.1f}%"
 
 
 def _write_predictions(out: Path, predictions: dict) -> None:

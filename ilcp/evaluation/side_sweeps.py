@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
+from ..stats import latency_summary
 from ..tasks import count_tokens, facts_for_length, make_facts
 from .batching import accuracy
 from .decoders import THROUGHPUT_METHODS, receiver_throughput
-from .report import latency_summary
 from .session import EvalSession
 from .timing import time_request
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from ..decoding import decode_one
+from ..stats import latency_summary
 from .registry import HandoffMethod
-from .report import latency_summary
 
 __all__ = ["TimedRequest", "latency", "time_request"]
 

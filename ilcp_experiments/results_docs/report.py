@@ -1,0 +1,82 @@
+"""Every generated text file of the repository and the command that writes or checks them:
+``python -m ilcp_experiments report [--check]``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ilcp.io import atomic_write_text
+
+from .blocks import babilong_block, datasets_block, draw_at_a_glance, draw_babilong, glance_table, served_block
+from .folders import (BABILONG_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
+                      index, replace_block)
+
+def generated(root: Path) -> dict[Path, str]:
+    """Every generated text file under ``root`` (the repository) and its content."""
+    results_dir = root / RESULTS_DIR
+    out: dict[Path, str] = {}
+    for folder in experiment_folders(results_dir):
+        out[folder / "README.md"] = folder_readme(folder)
+        out.update(companion_files(folder))
+    out[results_dir / INDEX] = index(results_dir)
+    out[results_dir / BABILONG_DOC] = ("# Long contexts (BABILong): every current measurement\n\n"
+                                       + GENERATED.replace("of this folder", "of the folders linked below")
+                                       + "\n\n" + babilong_block(results_dir) + "\n")
+    readme = root / "README.md"
+    if readme.is_file():
+        prefix = RESULTS_DIR.as_posix() + "/"
+        text = readme.read_text(encoding="utf-8")
+        text = replace_block(text, "results", glance_table(results_dir, prefix))
+        text = replace_block(text, "babilong", babilong_block(results_dir, prefix, full=False))
+        if "<!-- served:begin -->" in text:
+            text = replace_block(text, "served", served_block(results_dir, prefix))
+        if "<!-- datasets:begin -->" in text:
+            text = replace_block(text, "datasets", datasets_block(results_dir, prefix))
+        out[readme] = text
+    return out
+
+
+def stale(root: Path) -> list[Path]:
+    """The generated text files under ``root`` whose content differs from `generated` (or are missing)."""
+    return [p for p, text in generated(root).items()
+            if not p.is_file() or p.read_text(encoding="utf-8") != text]
+
+
+def write(root: Path, *, figure: bool = True) -> list[Path]:
+    """Write every generated file that changed; returns them. With ``figure``, draw the README's
+    figure too."""
+    changed = stale(root)
+    texts = generated(root)
+    for path in changed:
+        atomic_write_text(path, texts[path])
+    if figure:
+        draw_at_a_glance(root / RESULTS_DIR)
+        draw_babilong(root / RESULTS_DIR)
+    return changed
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ilcp_experiments report",
+        description="Regenerate docs/results/*/README.md (and results.md, sweep.md), docs/results/README.md, "
+                    "the README's generated blocks and its figure from the JSON files under docs/results.")
+    parser.add_argument("--root", default=".", help="the repository (default: the current folder)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; list the generated files that differ and exit 1 if any does")
+    args = parser.parse_args(None if argv is None else list(argv))
+    root = Path(args.root)
+    if not (root / RESULTS_DIR).is_dir():
+        parser.error(f"{root / RESULTS_DIR} is not a folder: run from the repository or pass --root")
+    if args.check:
+        paths = stale(root)
+        for p in paths:
+            print(f"out of date: {p.relative_to(root)}")
+        if paths:
+            print("run `python -m ilcp_experiments report` to regenerate them")
+        return 1 if paths else 0
+    for p in write(root):
+        print(f"wrote {p.relative_to(root)}")
+    return 0
