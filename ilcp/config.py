@@ -127,8 +127,9 @@ class CompressorConfig:
     epochs: int = _f(30, "stage-1 epochs over the training pooled states")
     batch_size: int = _f(128, "stage-1 batch size")
     lr: float = _f(1e-3, "stage-1 AdamW learning rate")
-    pooling: str = _f("attention", "sender summary: 'attention' (learned queries), 'mean' (masked mean, the spec) "
-                                   "or 'concat' (with chunk_tokens: a chunk's token states side by side)")
+    pooling: str = _f("attention", "sender summary: 'attention' (learned queries), 'mean' (masked mean, the spec), "
+                                   "'concat' (with chunk_tokens: a chunk's token states side by side) or 'slots' "
+                                   "(learned memory tokens the sender's LM reads after the context, one latent each)")
     chunk_tokens: int = _f(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
                               "payload grows with the context (0 = one latent per context, the spec)")
     pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
@@ -139,6 +140,9 @@ class CompressorConfig:
                                        "(known from the construction), teaching the pooler to find the story in the "
                                        "prose; the sender is never told where it is (0 = off)")
     pooler_lr: float = _f(0.0, "stage-1 learning rate of the attention pooler (0 = compressor.lr)")
+    tokens_per_slot: int = _f(16, "with pooling=slots, one memory slot per this many context tokens")
+    min_slots: int = _f(1, "with pooling=slots, the fewest slots a context gets")
+    max_slots: int = _f(64, "with pooling=slots, the most slots a context gets (longer contexts share them)")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
@@ -159,6 +163,12 @@ class CompressorConfig:
             raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
         if self.story_attention_weight < 0 or self.pooler_lr < 0:
             raise ValueError("compressor.story_attention_weight and compressor.pooler_lr must be >= 0")
+        if min(self.tokens_per_slot, self.min_slots) < 1 or self.max_slots < self.min_slots:
+            raise ValueError("compressor.tokens_per_slot and compressor.min_slots must be >= 1 and compressor.max_slots "
+                             f">= compressor.min_slots, got {self.tokens_per_slot}, {self.min_slots}, {self.max_slots}")
+        if self.pooling == "slots" and (self.chunk_tokens > 0 or self.answer_head_weight > 0):
+            raise ValueError("compressor.pooling=slots needs compressor.chunk_tokens=0 and compressor.answer_head_weight=0 "
+                             "(the slots are the chunks, and are trained through the LM in stage 2)")
         if self.story_attention_weight > 0 and (self.pooling != "attention" or self.chunk_tokens > 0):
             raise ValueError("compressor.story_attention_weight > 0 teaches an attention pooler over the whole "
                              "context: it needs compressor.pooling=attention and compressor.chunk_tokens=0")
@@ -387,6 +397,12 @@ class TrainConfig:
             raise ValueError(f"compressor.story_attention_weight > 0 needs a BABILong task (data.task "
                              f"'babilong:N:LENGTH'), where the story's place in the context is known; got "
                              f"{self.data.task!r}")
+        if c.pooling == "slots" and not self.handoff.finetune_encoder:
+            raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2: it needs "
+                             "handoff.finetune_encoder=true")
+        if c.pooling == "slots" and self.reconstruct.enabled:
+            raise ValueError("reconstruct.steps > 0 reads cached token states; compressor.pooling=slots runs the sender's "
+                             "LM in training instead: set reconstruct.steps=0")
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (

@@ -55,6 +55,7 @@ class ILCPEncoder(nn.Module):
     """
 
     reads_context_text = False
+    reads_sender_lm = False  # its summary needs an LM forward of its own (memory slots), not given states
 
     def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None = None,
                  pooler: Pooler | None = None, chunk_tokens: int = 0, *, placement: str = "prefix",
@@ -108,6 +109,10 @@ class ILCPEncoder(nn.Module):
     def chunked(self) -> bool:
         """Whether a context sends one latent per chunk of tokens."""
         return self.chunk_tokens > 0
+
+    def max_latents(self, max_length: int) -> int:
+        """The most latents a context of `max_length` tokens sends: ceil(max_length / C), or 1."""
+        return -(-max_length // self.chunk_tokens) if self.chunked else 1
 
     def pool(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Sender states -> pooled (B, D') float32, one per context (see `pool_states`)."""

@@ -163,7 +163,7 @@ class EncoderSpec:
         """An untrained `ILCPEncoder` of these settings for an LM of `hidden_size` (format vectors zero)."""
         # the pooler first, then the VAE and the projector: the order training builds them in,
         # so a build draws the same random numbers wherever it runs
-        pooler = self.memory.pooler(hidden_size * len(self.layers))
+        pooler = self.memory.pooler(hidden_size * len(self.layers), hidden_size=hidden_size)
         vae = BetaVAE(self.input_dim, self.latent_dim, self.hidden_dim, self.beta)
         projector = GatedLatentToMemoryProjector(self.latent_dim, self.num_memory_tokens, hidden_size,
                                                  self.projector_hidden)

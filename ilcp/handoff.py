@@ -42,7 +42,9 @@ from .encoder import ILCPEncoder
 from .encoder_config import EncoderSpec
 from .export import ExportError, ExportedRun, check_fingerprint, read_export, save_encoder
 from .lm import LM, load_lm
+from .compat import output_cache_or_none
 from .memory_kinds import memory_kind_of
+from .memory_slots import slot_states
 from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
 from .precision import autocast, resolve
 from .prefix import receiver_prefix
@@ -324,6 +326,8 @@ class ILCPHandoff:
         def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
             mask = attention[rows, :width]
             with torch.no_grad(), self.compute():
+                if self.encoder.reads_sender_lm:  # memory slots: their states after the context, and their mask
+                    return slot_states(self.lm.model, self.encoder.slots, mask, self.layers, input_ids=ids[rows, :width])
                 return sender_token_states(self.lm.model, ids[rows, :width], mask, self.layers), mask
 
         return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of, max_batch_tokens)
@@ -373,8 +377,8 @@ class ILCPHandoff:
         if single:
             return self._pack(latents[0])
         if len({tuple(t.shape) for t in latents}) > 1:
-            raise ValueError("these contexts carry different numbers of latents (one per chunk of "
-                             f"{self.encoder.chunk_tokens} tokens): send them with send_each")
+            raise ValueError(f"these contexts carry different numbers of latents ({self._per_latent()}): send them "
+                             "with send_each")
         return self._pack(torch.stack(latents))
 
     def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
@@ -428,8 +432,15 @@ class ILCPHandoff:
                           f"{self.max_length}: the encoder reads them all, though training read at most "
                           f"{self.max_length}", UserWarning, stacklevel=2)
         with torch.no_grad(), self.compute():
-            states = layer_states(outputs, self.layers).to(self.device)
             mask = attention_mask.to(self.device)
+            if self.encoder.reads_sender_lm:  # memory slots read the forward's cache: N more positions
+                cache = output_cache_or_none(outputs)
+                if cache is None:
+                    raise ValueError("this run's memory slots read the sender's key/value cache: run the forward with "
+                                     "use_cache=True")
+                states, mask = slot_states(self.lm.model, self.encoder.slots, mask, self.layers, cache=cache)
+            else:
+                states = layer_states(outputs, self.layers).to(self.device)
             z = self.encoder.latent(states, mask).float()
             if self.encoder.chunked and not bool(self.encoder.latent_mask(mask).all()):
                 raise ValueError("these contexts carry different numbers of latents: run the forward on one "
@@ -477,10 +488,14 @@ class ILCPHandoff:
 
     @property
     def max_chunks(self) -> int:
-        """The most latents one context carries: ceil(max_length / chunk_tokens), or 1."""
-        if not self.encoder.chunked:
-            return 1
-        return -(-self.max_length // self.encoder.chunk_tokens)
+        """The most latents one context carries: per chunk ceil(max_length / chunk_tokens), per slot
+        the slots of max_length tokens, else 1."""
+        return self.encoder.max_latents(self.max_length)
+
+    def _per_latent(self) -> str:
+        if self.encoder.reads_sender_lm:
+            return f"one per memory slot, a slot per {self.encoder.slots.tokens_per_slot} tokens"
+        return f"one per chunk of {self.encoder.chunk_tokens} tokens"
 
     def _max_elements(self, contexts: int | None) -> int:
         if contexts is None:
@@ -500,7 +515,7 @@ class ILCPHandoff:
             if self.encoder.chunked and shape[-2] > self.max_chunks:
                 raise PayloadError(f"payload carries {shape[-2]} latents per context; a context of at most "
                                    f"{self.max_length} tokens (this export's max_length) gives at most "
-                                   f"{self.max_chunks}, one per {self.encoder.chunk_tokens} tokens")
+                                   f"{self.max_chunks} ({self._per_latent()})")
             held = shape[0] if len(shape) == per_context + 1 else 1
             if contexts is not None and held != contexts:
                 raise PayloadError(f"payload holds {held} latent(s) but {contexts} question(s) were given")

@@ -11,6 +11,8 @@ pooler; the export schema (`ilcp.encoder_config.EncoderSpec`) finds a config's k
   chunk pooled as above: a context of S tokens sends ceil(S / C) latents.
 - ``codec``: chunks of C tokens whose states the VAE reads side by side (``pooling.kind``
   "concat", `ConcatPooler`); with K = C memory vectors per latent, read in the prompt as tokens.
+- ``slots`` (`ilcp.memory_slots`): learned tokens the sender's LM reads after the context, one
+  latent per slot, their number growing with the context.
 
 The kinds are registered in `ilcp.names.MEMORY_KINDS` (which also names the ``pooling.kind``
 values each reads, so that a config is checked before torch loads); this module imports each
@@ -104,8 +106,9 @@ class MemoryKind:
         """The settings of an encoder of this kind; None when the encoder is of another kind."""
         raise NotImplementedError
 
-    def pooler(self, state_dim: int) -> Pooler | None:
-        """An untrained pooler for token states of width `state_dim` (None: the masked mean)."""
+    def pooler(self, state_dim: int, hidden_size: int | None = None) -> Pooler | None:
+        """An untrained pooler for token states of width `state_dim` (None: the masked mean);
+        `hidden_size` is the LM's (for a kind whose parts are LM inputs)."""
         raise NotImplementedError
 
     def encoder(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, pooler: Pooler | None,
@@ -231,7 +234,7 @@ class PooledMemory(MemoryKind):
             return None
         return cls(encoder.pooling, encoder.pooler.num_queries if encoder.pooling == "attention" else 0)
 
-    def pooler(self, state_dim: int) -> AttentionPooler | None:
+    def pooler(self, state_dim: int, hidden_size: int | None = None) -> AttentionPooler | None:
         return AttentionPooler(state_dim, self.pool_queries) if self.pooling == "attention" else None
 
 
@@ -300,5 +303,5 @@ class CodecMemory(MemoryKind):
     def from_encoder(cls, encoder: ILCPEncoder) -> CodecMemory | None:
         return cls(encoder.chunk_tokens) if encoder.pooling == "concat" else None
 
-    def pooler(self, state_dim: int) -> ConcatPooler:
+    def pooler(self, state_dim: int, hidden_size: int | None = None) -> ConcatPooler:
         return ConcatPooler(state_dim, self.chunk_tokens)

@@ -53,6 +53,7 @@ MEMORY_KINDS = {
     "pooled": RegisteredMemoryKind("ilcp.memory_kinds:PooledMemory", ("mean", "attention")),
     "chunked": RegisteredMemoryKind("ilcp.memory_kinds:ChunkedMemory", ("mean", "attention")),
     "codec": RegisteredMemoryKind("ilcp.memory_kinds:CodecMemory", ("concat",)),
+    "slots": RegisteredMemoryKind("ilcp.memory_slots:SlotMemory", ("slots",)),
 }
 
 

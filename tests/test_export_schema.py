@@ -99,9 +99,9 @@ def test_the_tiny_run_writes_what_the_spec_writes(tiny_run):
     assert _encoder_entries(config) == _encoder_entries(kept)
 
 
-def test_the_registry_holds_the_three_kinds_and_reads_what_names_lists():
-    assert list(memory_kinds.memory_kinds()) == ["pooled", "chunked", "codec"]
-    assert memory_kinds.pooling_kinds() == pooling_kinds() == ("mean", "attention", "concat")
+def test_the_registry_holds_the_four_kinds_and_reads_what_names_lists():
+    assert list(memory_kinds.memory_kinds()) == ["pooled", "chunked", "codec", "slots"]
+    assert memory_kinds.pooling_kinds() == pooling_kinds() == ("mean", "attention", "concat", "slots")
     assert memory_kind_for({"kind": "mean"}) == PooledMemory("mean")
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 0}) == PooledMemory("mean")
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 3}) == ChunkedMemory("mean", chunk_tokens=3)

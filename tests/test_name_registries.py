@@ -83,11 +83,11 @@ def test_every_memory_kind_resolves_to_the_class_that_reads_its_pooling_kinds():
         assert registered[name] is resolve(entry.target)
         assert registered[name].name == name and registered[name].pooling_kinds == entry.pooling_kinds
         for pooling in entry.pooling_kinds:
-            chunks = 4 if name != "pooled" else 0
+            chunks = 4 if name in ("chunked", "codec") else 0  # the kinds that cut chunks
             claims = [n for n, cls in registered.items() if cls.claims({"kind": pooling, "chunk_tokens": chunks})]
             assert claims[0] == name
             assert CompressorConfig(pooling=pooling, chunk_tokens=chunks, answer_head_weight=0.0).pooling == pooling
-    assert memory_kinds.pooling_kinds() == names.pooling_kinds() == ("mean", "attention", "concat")
+    assert memory_kinds.pooling_kinds() == names.pooling_kinds() == ("mean", "attention", "concat", "slots")
 
 
 # --------------------------------------------------------------------------------------------

@@ -425,6 +425,9 @@ class VLLMSender:
         require_vllm()
         if not isinstance(handoff, ILCPHandoff):
             raise ValueError(f"handoff must be an ilcp.handoff.ILCPHandoff, got {type(handoff).__name__}")
+        if handoff.encoder.reads_sender_lm:
+            raise ValueError("this run's memory slots are read by the sender's LM after the context, which a pooling "
+                             "engine does not run: send with the ILCPHandoff itself (its receivers may be vLLM)")
         config = _model_config(llm)
         if _runner(config) != "pooling":
             raise ValueError(

@@ -112,7 +112,8 @@ class ILCPMethod(HandoffMethod):
         handoff = self.ctx.handoff
         inputs = handoff.sender_inputs([row["context"]])
         with torch.no_grad(), handoff.compute():
-            outputs = self.lm.model(**inputs, output_hidden_states=True, use_cache=False)
+            # memory slots continue the forward's key/value cache; the other encoders read its states
+            outputs = self.lm.model(**inputs, output_hidden_states=True, use_cache=handoff.encoder.reads_sender_lm)
         start = time.perf_counter()
         handoff.send_from_hidden_states(outputs, inputs["attention_mask"]).to_bytes()
         return time.perf_counter() - start

@@ -31,8 +31,9 @@ from ..config import CompressorConfig, TrainConfig
 from ..encoder import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..memory_kinds import MemoryKind, memory_kind_for
+from ..memory_slots import SlotEncoder
 from ..pooling import AttentionPooler, ConcatPooler
-from .data import HandoffRows, collate_rows, pooled_rows, row_loader
+from .data import HandoffRows, collate_rows, pooled_rows, row_loader, sender_max_length
 from .distributed import gather_rows, save_stage
 from .log import ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts, prepare_stage_log, say
 
@@ -187,7 +188,8 @@ def story_attention_loss(pooler: AttentionPooler, tokens: Tensor, token_mask: Te
 def memory_kind(cfg: TrainConfig) -> MemoryKind:
     """The registered memory kind (`ilcp.memory_kinds`) the config's compressor settings name."""
     c = cfg.compressor
-    return memory_kind_for({"kind": c.pooling, "pool_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens})
+    return memory_kind_for({"kind": c.pooling, "pool_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens,
+                            "tokens_per_slot": c.tokens_per_slot, "min_slots": c.min_slots, "max_slots": c.max_slots})
 
 
 def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:
@@ -203,6 +205,8 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     The VAE's standardisation statistics come from the untrained pooler (the mean repeated Q
     times); a pooler trained afterwards moves away from them, and the encoder, trained with it,
     absorbs the difference."""
+    if cfg.compressor.pooling == "slots":
+        return start_slot_encoder(cfg, lm, train), {}
     stage_dir = cfg.run_dir / "stages" / "compressor"
     done = stage_dir / "compressor.safetensors"
     c = cfg.compressor
@@ -241,3 +245,33 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     if module.head is not None:
         say(f"stage 1 (compressor): validation answer-head accuracy {metrics.get('val/answer_accuracy', float('nan')):.3f}")
     return encoder, metrics
+
+
+# the training contexts whose untrained slot states set the VAE's standardisation
+SLOT_STATISTICS_ROWS = 256
+
+
+def start_slot_encoder(cfg: TrainConfig, lm: LM, train: HandoffRows) -> SlotEncoder:
+    """Memory slots start untrained (each at a random row of the LM's embedding table) and learn
+    with the VAE and the projector in stage 2, through the LM: stage 1 has no fixed states to fit.
+    The VAE's standardisation comes from the untrained slots' states over up to
+    `SLOT_STATISTICS_ROWS` training contexts; the encoder is bound to the sender LM."""
+    c = cfg.compressor
+    L.seed_everything(cfg.trainer.seed, verbose=False)
+    kind = memory_kind(cfg)
+    slots = kind.pooler(lm.hidden_size * len(cfg.data.pool_layers), hidden_size=lm.hidden_size)
+    slots.init_from_embeddings(lm.model.get_input_embeddings().weight, seed=cfg.trainer.seed)
+    encoder = kind.encoder(BetaVAE(slots.output_dim, c.latent_dim, c.hidden_dim, c.beta), None, slots)
+    encoder.bind_sender(lm.model, lm.tokenizer, sender_max_length(cfg, lm), cfg.data.pool_layers)
+    contexts = [r["context"] for r in train.rows[:SLOT_STATISTICS_ROWS]]
+    states = []
+    with torch.no_grad():
+        for start in range(0, len(contexts), cfg.data.pool_batch_size):
+            batch, mask = encoder.sender_states(contexts[start:start + cfg.data.pool_batch_size])
+            states.append(batch[mask].float().cpu())
+    states = torch.cat(states)
+    encoder.vae.set_standardisation(states)
+    say(f"stage 1 (compressor): memory slots (one per {c.tokens_per_slot} tokens, {c.min_slots} to {c.max_slots}), "
+        f"trained in stage 2 with the VAE; standardisation from {states.shape[0]} slot states of {len(contexts)} "
+        "training contexts")
+    return encoder

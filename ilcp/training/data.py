@@ -212,8 +212,10 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         rows, key = load_rows(cfg, split, size, lm.tokenizer, max_tokens)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
-        if "ilcp" not in cfg.handoff.variants:
-            say(f"{split}: {len(rows)} rows (no sender states: ilcp is not among handoff.variants)")
+        if "ilcp" not in cfg.handoff.variants or c.pooling == "slots":
+            why = ("memory slots run the sender's LM in training" if c.pooling == "slots"
+                   else "ilcp is not among handoff.variants")
+            say(f"{split}: {len(rows)} rows (no sender states: {why})")
             out[split] = HandoffRows(rows, None)
             continue
         t0 = time.perf_counter()

@@ -1,0 +1,239 @@
+"""Memory slots: learned tokens the sender's frozen LM reads after the context, whose states are
+the context's summary, computed without any question.
+
+A context of L tokens gets ``N = clamp(ceil(L / tokens_per_slot), min_slots, max_slots)`` slots:
+slot j is a learned input embedding placed at position L + j, after the context. One forward over
+[context ; slots] gives each slot's last-layer state (several layers concatenated, by config),
+which has read the whole context through the LM's own attention; each slot state goes through the
+beta-VAE (one latent per slot, (N, Z) on the wire) and the projector (K vectors per slot), so the
+receiver reads N x K vectors and 2k tokens send more latents than 100.
+
+The forward runs in two parts, which causal attention makes equal to one forward over both:
+the context alone (`slot_states` runs it, or takes the key/value cache of a forward the sender
+already ran), then the N slot tokens reading that cache. A sender that has just read its context
+therefore pays only the N slot positions (`ILCPHandoff.send_from_hidden_states` with the forward's
+cache); without that cache the cost is its forward over the context plus N positions. The LM is
+never changed: the slots are inputs, so the sender's own generation is what it was.
+
+    slots = SlotTokens(dim=576, hidden_size=576, tokens_per_slot=16, min_slots=1, max_slots=64)
+    states, slot_mask = slot_states(model, slots, attention_mask, layers=(-1,), input_ids=ids)
+    encoder = SlotEncoder(BetaVAE(576, 32), projector, slots)   # encoder.latent(states, slot_mask): (B, N, Z)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .compat import cache_kwargs, logits_to_keep_kwargs, output_cache
+from .compressor import BetaVAE, kl_divergence
+from .encoder import ILCPEncoder
+from .memory_kinds import MemoryKind, config_value
+from .names import MEMORY_KINDS
+from .pooling import layer_states, pad_id_of, pad_right, tokenize_contexts
+from .projector import GatedLatentToMemoryProjector
+
+__all__ = ["SlotEncoder", "SlotMemory", "SlotTokens", "slot_counts", "slot_states"]
+
+
+def slot_counts(lengths: Tensor, tokens_per_slot: int, min_slots: int, max_slots: int) -> Tensor:
+    """Slots per context: ceil(length / tokens_per_slot), at least `min_slots`, at most `max_slots`."""
+    return (-(-lengths.long() // tokens_per_slot)).clamp(min=min_slots, max=max_slots)
+
+
+class SlotTokens(nn.Module):
+    """The learned slot embeddings (max_slots, H) and the rule for how many a context gets.
+
+    Held where an encoder holds its pooler (exported as ``pooler.embeddings``): the VAE reads each
+    slot's state, ``dim`` = H x the number of layers read.
+    """
+
+    kind = "slots"
+
+    def __init__(self, dim: int, hidden_size: int, tokens_per_slot: int, min_slots: int, max_slots: int):
+        super().__init__()
+        for name, value in (("dim", dim), ("hidden_size", hidden_size), ("tokens_per_slot", tokens_per_slot),
+                            ("min_slots", min_slots)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < min_slots:
+            raise ValueError(f"max_slots must be an int >= min_slots ({min_slots}), got {max_slots!r}")
+        self.dim, self.tokens_per_slot, self.min_slots, self.max_slots = dim, tokens_per_slot, min_slots, max_slots
+        self.embeddings = nn.Parameter(torch.zeros(max_slots, hidden_size))
+
+    @property
+    def output_dim(self) -> int:
+        return self.dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embeddings.shape[1]
+
+    def counts(self, lengths: Tensor) -> Tensor:
+        """Slots of contexts of these token counts (see `slot_counts`)."""
+        return slot_counts(lengths, self.tokens_per_slot, self.min_slots, self.max_slots)
+
+    @torch.no_grad()
+    def init_from_embeddings(self, table: Tensor, seed: int = 0) -> None:
+        """Start each slot at a random row of the LM's input-embedding table (the scale of real tokens)."""
+        if table.dim() != 2 or table.shape[1] != self.hidden_size:
+            raise ValueError(f"the embedding table is {tuple(table.shape)}; the slots are {self.hidden_size} wide")
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, table.shape[0], (self.max_slots,), generator=g)
+        self.embeddings.copy_(table.detach().float().cpu()[rows].to(self.embeddings.device))
+
+
+def slot_states(model: nn.Module, slots: SlotTokens, attention_mask: Tensor, layers: Sequence[int] = (-1,), *,
+                input_ids: Tensor | None = None, cache=None) -> tuple[Tensor, Tensor]:
+    """The slot tokens' states after right-padded contexts: ((B, N, D), slot mask (B, N) bool).
+
+    Args:
+        model: the sender's LM (frozen; gradients reach the slot embeddings through it).
+        attention_mask: (B, S), 1 on the contexts' tokens (right-padded).
+        input_ids: (B, S) the contexts' ids; the context forward runs here, without gradients.
+        cache: instead of ``input_ids``, the key/value cache of a forward the sender already ran
+            over the same right-padded contexts (positions 0..L-1); it is copied, not changed.
+
+    N is the most slots of any row; a row's slots past its own count are masked out.
+    """
+    if (input_ids is None) == (cache is None):
+        raise ValueError("slot_states takes the contexts' input_ids or the cache of their forward, not both")
+    mask = attention_mask.long()
+    if mask.dim() != 2 or bool((mask.sum(-1) == 0).any()):
+        raise ValueError("the attention mask must be (B, S) with at least one real token per row")
+    if cache is None:
+        with torch.no_grad():
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True, **logits_to_keep_kwargs(model, 1))
+        cache = output_cache(out)
+    else:
+        cache = copy.deepcopy(cache)
+    lengths = mask.sum(-1)
+    counts = slots.counts(lengths)
+    n = int(counts.max())
+    positions = torch.arange(n, device=mask.device)
+    slot_mask = positions.unsqueeze(0) < counts.unsqueeze(1)
+    table = model.get_input_embeddings().weight
+    embeds = slots.embeddings[:n].to(device=table.device, dtype=table.dtype).unsqueeze(0).expand(mask.shape[0], -1, -1)
+    out = model(inputs_embeds=embeds, attention_mask=torch.cat([mask, slot_mask.long()], dim=-1),
+                position_ids=lengths.unsqueeze(1) + positions.unsqueeze(0), output_hidden_states=True,
+                use_cache=True, **cache_kwargs(model, cache), **logits_to_keep_kwargs(model, 1))
+    return layer_states(out, layers), slot_mask
+
+
+class SlotEncoder(ILCPEncoder):
+    """An `ILCPEncoder` whose summary is its slots' states: one latent per slot, (B, N, Z).
+
+    ``latent(states, slot_mask)`` reads the states `slot_states` gives; training binds the sender
+    (`bind_sender`) so that `memory_for_batch` runs the slot forward on the batch's contexts with
+    gradients reaching the slot embeddings.
+    """
+
+    reads_sender_lm = True
+
+    def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, slots: SlotTokens, **receiver):
+        if not isinstance(slots, SlotTokens):
+            raise ValueError(f"a slot encoder needs SlotTokens, got {type(slots).__name__}")
+        super().__init__(vae, projector, slots, 0, **receiver)
+        self._sender: tuple | None = None  # (model, tokenizer, max_length, layers), outside the state dict
+
+    @property
+    def slots(self) -> SlotTokens:
+        return self.pooler
+
+    @property
+    def chunked(self) -> bool:
+        return True  # one latent per slot
+
+    def max_latents(self, max_length: int) -> int:
+        return int(self.slots.counts(torch.tensor([max_length])))
+
+    def encode(self, states: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Slot states (B, N, D) -> (mu, logvar), each (B, N, Z) float32."""
+        if states.dim() != 3 or states.shape[-1] != self.slots.dim:
+            raise ValueError(f"slot states must be (batch, slots, {self.slots.dim}), got {tuple(states.shape)}")
+        b, n, d = states.shape
+        mu, logvar = self.vae.encode(states.reshape(b * n, d))
+        return mu.view(b, n, -1), logvar.view(b, n, -1)
+
+    def latent_mask(self, attention_mask: Tensor) -> Tensor:
+        """The slot mask `slot_states` gave (B, N), as bool."""
+        return attention_mask.bool()
+
+    def bind_sender(self, model: nn.Module, tokenizer, max_length: int, layers: Sequence[int]) -> None:
+        """The sender LM training runs the slot forward with (held by reference, never exported)."""
+        self._sender = (model, tokenizer, int(max_length), tuple(layers))
+
+    def sender_states(self, contexts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """The slot states of context strings through the bound sender, as `ILCPHandoff` sends them
+        (no special tokens, the last max_length tokens)."""
+        if self._sender is None:
+            raise ValueError("this slot encoder has no sender LM: bind_sender(model, tokenizer, max_length, layers)")
+        model, tokenizer, max_length, layers = self._sender
+        ids, mask = pad_right(tokenize_contexts(tokenizer, contexts, max_length), pad_id_of(tokenizer))
+        device = model.get_input_embeddings().weight.device
+        return slot_states(model, self.slots, mask.to(device), layers, input_ids=ids.to(device))
+
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[list[Tensor], Tensor]:
+        """(one (N_i * K, H) memory per row in `dtype`, mean KL of the real slots' posteriors)."""
+        states, slot_mask = self.sender_states(batch["context"])
+        mu, logvar = self.encode(states, slot_mask)
+        memory = self.memory(mu, dtype)
+        k = self.num_memory_tokens
+        rows = [memory[i, : int(slot_mask[i].sum()) * k] for i in range(memory.shape[0])]
+        return rows, kl_divergence(mu[slot_mask], logvar[slot_mask]).mean()
+
+
+@dataclass(frozen=True)
+class SlotMemory(MemoryKind):
+    """Memory slots (`SlotEncoder`): ``pooling.kind`` "slots" with ``tokens_per_slot``,
+    ``min_slots`` and ``max_slots``."""
+
+    name: ClassVar[str] = "slots"
+    pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["slots"].pooling_kinds
+
+    tokens_per_slot: int = 16
+    min_slots: int = 1
+    max_slots: int = 64
+
+    def __post_init__(self):
+        for name in ("tokens_per_slot", "min_slots", "max_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"'pooling.{name}' must be >= 1, got {value!r}")
+        if self.max_slots < self.min_slots:
+            raise ValueError(f"'pooling.max_slots' ({self.max_slots}) must be >= 'pooling.min_slots' ({self.min_slots})")
+
+    @classmethod
+    def claims(cls, pooling: dict) -> bool:
+        return pooling.get("kind") in cls.pooling_kinds
+
+    @classmethod
+    def from_pooling(cls, pooling: dict) -> SlotMemory:
+        wrapped = {"pooling": pooling}
+        return cls(*(config_value(wrapped, f"pooling.{name}", int, minimum=1)
+                     for name in ("tokens_per_slot", "min_slots", "max_slots")))
+
+    def pooling_entries(self) -> dict:
+        return {"kind": "slots", "tokens_per_slot": self.tokens_per_slot, "min_slots": self.min_slots,
+                "max_slots": self.max_slots}
+
+    @classmethod
+    def from_encoder(cls, encoder: ILCPEncoder) -> SlotMemory | None:
+        if not isinstance(encoder, SlotEncoder):
+            return None
+        s = encoder.slots
+        return cls(s.tokens_per_slot, s.min_slots, s.max_slots)
+
+    def pooler(self, state_dim: int, hidden_size: int | None = None) -> SlotTokens:
+        if hidden_size is None:
+            raise ValueError("slot tokens need the LM's hidden size")
+        return SlotTokens(state_dim, hidden_size, self.tokens_per_slot, self.min_slots, self.max_slots)
+
+    def encoder(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, pooler, **receiver) -> SlotEncoder:
+        return SlotEncoder(vae, projector, pooler, **receiver)

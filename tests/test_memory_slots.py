@@ -1,0 +1,167 @@
+"""ilcp.memory_slots: learned slot tokens the sender's LM reads after the context, one latent per
+slot. The two-part forward equals one forward over [context ; slots]; the slot count grows with
+the context; a trained run sends, crosses the wire and receives as in process; a sender that kept
+its forward's cache pays only the slots; bad settings are refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from ilcp.compressor import BetaVAE
+from ilcp.config import load_config
+from ilcp.encoder_config import EncoderSpec, ExportError
+from ilcp.handoff import ILCPHandoff
+from ilcp.memory_kinds import memory_kind_for
+from ilcp.memory_slots import SlotEncoder, SlotMemory, SlotTokens, slot_counts, slot_states
+from ilcp.pooling import pad_id_of, pad_right
+from ilcp.projector import GatedLatentToMemoryProjector
+
+from conftest import TINY_CONFIG
+
+SLOTS = ["compressor.pooling=slots", "compressor.answer_head_weight=0", "compressor.tokens_per_slot=8",
+         "compressor.min_slots=2", "compressor.max_slots=12", "handoff.variants=[ilcp]"]
+SHORT = "Mary went to the kitchen."
+LONG = " ".join(["John moved to the garden."] * 12)
+
+
+def _slots(lm, tokens_per_slot=4, min_slots=1, max_slots=8, layers=1) -> SlotTokens:
+    slots = SlotTokens(lm.hidden_size * layers, lm.hidden_size, tokens_per_slot, min_slots, max_slots)
+    slots.init_from_embeddings(lm.model.get_input_embeddings().weight, seed=0)
+    return slots
+
+
+def _ids(lm, texts):
+    ids = lm.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return pad_right(ids, pad_id_of(lm.tokenizer))
+
+
+def test_the_slot_count_grows_with_the_context_within_its_bounds():
+    lengths = torch.tensor([1, 8, 9, 40, 1000])
+    assert slot_counts(lengths, 8, 2, 12).tolist() == [2, 2, 2, 5, 12]
+    assert slot_counts(lengths, 8, 1, 200).tolist() == [1, 1, 2, 5, 125]
+
+
+def test_the_two_part_forward_equals_one_forward_over_context_and_slots(tiny_lm):
+    """Batched and right-padded, each row's slot states are those of one unpadded forward over
+    its context followed by its own slots."""
+    model, slots = tiny_lm.model, _slots(tiny_lm)
+    texts = [SHORT, LONG]
+    ids, mask = _ids(tiny_lm, texts)
+    with torch.no_grad():
+        states, slot_mask = slot_states(model, slots, mask, (-1, 0), input_ids=ids)
+        assert slot_mask.sum(-1).tolist() == slots.counts(mask.sum(-1)).tolist()
+        assert states.shape == (2, int(slot_mask.sum(-1).max()), 2 * tiny_lm.hidden_size)
+        for row in range(2):
+            length, n = int(mask[row].sum()), int(slot_mask[row].sum())
+            context = model.get_input_embeddings()(ids[row:row + 1, :length])
+            whole = torch.cat([context, slots.embeddings[:n].unsqueeze(0)], dim=1)
+            out = model(inputs_embeds=whole, output_hidden_states=True, use_cache=False)
+            expected = torch.cat([out.hidden_states[-1], out.hidden_states[0]], dim=-1)[0, length:]
+            torch.testing.assert_close(states[row, :n], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_gradients_reach_the_slots_and_not_the_lm(tiny_lm):
+    slots = _slots(tiny_lm)
+    encoder = SlotEncoder(BetaVAE(slots.output_dim, 8, 32), GatedLatentToMemoryProjector(8, 2, tiny_lm.hidden_size, 16),
+                          slots)
+    encoder.bind_sender(tiny_lm.model, tiny_lm.tokenizer, 64, (-1,))
+    rows, kl = encoder.memory_for_batch({"context": [SHORT, LONG]}, torch.float32)
+    lengths = torch.tensor([len(i) for i in tiny_lm.tokenizer([SHORT, LONG], add_special_tokens=False)["input_ids"]])
+    assert [r.shape[0] for r in rows] == [2 * n for n in slots.counts(lengths).tolist()]  # K = 2 vectors per slot
+    (sum(r.pow(2).sum() for r in rows) + kl).backward()
+    assert slots.embeddings.grad is not None and slots.embeddings.grad.abs().sum() > 0
+    assert all(p.grad is None for p in tiny_lm.model.parameters())
+    unbound = SlotEncoder(BetaVAE(slots.output_dim, 8, 32), None, _slots(tiny_lm))
+    with pytest.raises(ValueError, match="bind_sender"):
+        unbound.sender_states([SHORT])
+
+
+def test_the_settings_round_trip_and_bad_ones_are_refused():
+    kind = memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "min_slots": 2, "max_slots": 32})
+    assert kind == SlotMemory(16, 2, 32)
+    assert memory_kind_for(kind.pooling_entries()) == kind
+    with pytest.raises(ValueError, match="'pooling.max_slots'"):
+        memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "min_slots": 4, "max_slots": 2})
+    with pytest.raises(ValueError, match="missing 'pooling.min_slots'"):
+        memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "max_slots": 2})
+    with pytest.raises(ValueError, match="answer_head_weight=0"):
+        load_config(TINY_CONFIG, ["compressor.pooling=slots"])
+    with pytest.raises(ValueError, match="finetune_encoder=true"):
+        load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false"])
+    with pytest.raises(ValueError, match="reconstruct.steps=0"):
+        load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2"])
+    with pytest.raises(ValueError, match="max_slots"):
+        load_config(TINY_CONFIG, SLOTS + ["compressor.min_slots=20"])
+
+
+@pytest.fixture(scope="module")
+def slot_run(tmp_path_factory, tiny_lm):
+    from ilcp.training import train
+
+    out = tmp_path_factory.mktemp("slot-run")
+    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "run_name=slots", *SLOTS])
+    return train(cfg, lm=tiny_lm)
+
+
+def test_a_slot_run_exports_sends_and_receives_as_in_process(slot_run, tiny_lm):
+    config = json.loads((slot_run.run_dir / "config.json").read_text())
+    assert {k: config["pooling"][k] for k in ("kind", "tokens_per_slot", "min_slots", "max_slots")} == {
+        "kind": "slots", "tokens_per_slot": 8, "min_slots": 2, "max_slots": 12}
+    spec = EncoderSpec.from_config(config)
+    assert spec.memory == SlotMemory(8, 2, 12) and EncoderSpec.from_config(config | spec.to_config()) == spec
+    handoff = ILCPHandoff.from_pretrained(slot_run.run_dir, lm=tiny_lm)
+    assert isinstance(handoff.encoder, SlotEncoder)
+    short, long = handoff.send(SHORT), handoff.send(LONG)
+    n_short, n_long = (int(slot_counts(torch.tensor([len(handoff.sender_inputs([t])["input_ids"][0])]), 8, 2, 12))
+                       for t in (SHORT, LONG))
+    assert tuple(short.latent.shape) == (n_short, 8) and tuple(long.latent.shape) == (n_long, 8)
+    assert n_long > n_short
+    wire = handoff.to_wire(long)
+    assert handoff.receive(wire, "Where is John?") == handoff.receive(long, "Where is John?")
+    assert handoff.max_chunks == 12  # the export's max_length gives the most slots
+    # the trained slots are what the export holds, not their starting rows
+    assert not torch.equal(handoff.encoder.slots.embeddings, torch.zeros_like(handoff.encoder.slots.embeddings))
+
+
+def test_a_sender_that_kept_its_cache_pays_only_the_slots(slot_run, tiny_lm):
+    from ilcp.compat import output_cache
+
+    handoff = ILCPHandoff.from_pretrained(slot_run.run_dir, lm=tiny_lm)
+    inputs = handoff.sender_inputs([LONG])
+    with torch.no_grad():
+        out = tiny_lm.model(**inputs, output_hidden_states=True, use_cache=True)
+    cache = output_cache(out)
+    before = cache.get_seq_length()
+    reused = handoff.send_from_hidden_states(out, inputs["attention_mask"])
+    torch.testing.assert_close(reused.latent[0], handoff.send(LONG).latent)  # (B, N, Z): one context
+    assert cache.get_seq_length() == before  # the sender's own cache is left as it was
+    with torch.no_grad():
+        no_cache = tiny_lm.model(**inputs, output_hidden_states=True, use_cache=False)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        handoff.send_from_hidden_states(no_cache, inputs["attention_mask"])
+
+
+def test_changed_slot_weights_are_refused(slot_run, tiny_lm, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "run"
+    shutil.copytree(slot_run.run_dir, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    assert "pooler.embeddings" in state
+    state["pooler.embeddings"] = state["pooler.embeddings"] + 1.0
+    save_file(state, str(copy / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ExportError, match="model.safetensors"):
+        ILCPHandoff.from_pretrained(copy, lm=tiny_lm)
+
+
+def test_eval_reads_a_slot_run_and_times_the_reused_sender(slot_run, tiny_lm):
+    from ilcp.evaluation.run import evaluate
+
+    results = evaluate(slot_run.run_dir, methods=["ilcp", "cold_read"], limit=3, latency_n=1, lengths=(),
+                       lm=tiny_lm, log=lambda _: None, max_new_tokens=2, batch_size=4)
+    ilcp = results["tasks"]["babi:1"]["methods"]["ilcp"]
+    assert ilcp["n"] == 3 and ilcp["wire_bytes"] > 0
+    assert ilcp["latency"]["sender_reusing_forward_s"]["n"] == 1
