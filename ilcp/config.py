@@ -278,6 +278,13 @@ class ReconstructConfig:
     random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
                               "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
     random_words: int = _f(12, "whole-word tokens per random text")
+    texts: list = _f(["task"], "what the stage reads: 'task' (the training contexts), 'prose' (passages of the "
+                               "background books), or task names whose contexts it reads (squad, babi:all, jsonl:PATH, "
+                               "...), each split as the task splits it; besides 'task' needs compressor.pooling=slots")
+    texts_per_source: int = _f(2000, "the most training texts read from each source besides 'task' (validation: a tenth)")
+    continuation: float = _f(0.0, "share of texts read as a continuation: the memory of a text's first half, the receiver "
+                                  "goes on with the second (0 = reconstruction only; needs compressor.pooling=slots)")
+    patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)")
 
     @property
     def enabled(self) -> bool:
@@ -301,6 +308,18 @@ class ReconstructConfig:
                 raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.encoder_lr <= 0 or self.warmup_steps < 0:
             raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
+        if not isinstance(self.texts, list) or not self.texts or not all(isinstance(t, str) and t for t in self.texts):
+            raise ValueError(f"reconstruct.texts must be a non-empty list of names, got {self.texts!r}")
+        from .names import unknown_task  # the standard library only
+
+        for name in self.texts:
+            problem = None if name in ("task", "prose") else unknown_task(name)
+            if problem:
+                raise ValueError(f"reconstruct.texts: {problem} (or 'task', 'prose')")
+        if self.texts_per_source < 1 or self.patience < 0 or not 0 <= self.continuation <= 1:
+            raise ValueError("reconstruct.texts_per_source must be >= 1, reconstruct.patience >= 0 and "
+                             f"reconstruct.continuation in [0, 1], got {self.texts_per_source}, {self.patience}, "
+                             f"{self.continuation}")
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -400,9 +419,11 @@ class TrainConfig:
         if c.pooling == "slots" and not self.handoff.finetune_encoder:
             raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2: it needs "
                              "handoff.finetune_encoder=true")
-        if c.pooling == "slots" and self.reconstruct.enabled:
-            raise ValueError("reconstruct.steps > 0 reads cached token states; compressor.pooling=slots runs the sender's "
-                             "LM in training instead: set reconstruct.steps=0")
+        if c.pooling != "slots" and (self.reconstruct.texts != ["task"] or self.reconstruct.continuation > 0):
+            raise ValueError("reconstruct.texts besides 'task' and reconstruct.continuation read texts whose sender "
+                             "states are not cached: they need compressor.pooling=slots")
+        if c.pooling == "slots" and self.reconstruct.token_steps + self.reconstruct.token_weight > 0:
+            raise ValueError("reconstruct.token_steps / token_weight read chunks of tokens, not memory slots")
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (

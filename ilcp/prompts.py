@@ -19,6 +19,7 @@ from __future__ import annotations
 
 INSTRUCTION = "Answer the question with one word."
 RECONSTRUCTION_INSTRUCTION = "Repeat the context you were handed, word for word."
+CONTINUATION_INSTRUCTION = "Continue the text you were handed from where it stops."
 COLD_READ_INSTRUCTION = "Read the context carefully, then answer the question with one word."
 # A fixed, short system message: templates that inject a default system prompt (SmolLM2 does)
 # would otherwise add it, and it is the same for every method either way.
@@ -61,6 +62,11 @@ def cold_read_prompt(tokenizer, context: str, question: str) -> str:
 def reconstruction_prompt(tokenizer) -> str:
     """The receiver's prompt when it must say back the context its memory vectors carry."""
     return render(tokenizer, RECONSTRUCTION_INSTRUCTION)
+
+
+def continuation_prompt(tokenizer) -> str:
+    """The receiver's prompt when it must go on with the text its memory vectors carry."""
+    return render(tokenizer, CONTINUATION_INSTRUCTION)
 
 
 def context_slot_prompt(tokenizer, question: str) -> tuple[str, str]:

@@ -89,8 +89,14 @@ def test_the_settings_round_trip_and_bad_ones_are_refused():
         load_config(TINY_CONFIG, ["compressor.pooling=slots"])
     with pytest.raises(ValueError, match="finetune_encoder=true"):
         load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false"])
-    with pytest.raises(ValueError, match="reconstruct.steps=0"):
-        load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2"])
+    with pytest.raises(ValueError, match="not memory slots"):
+        load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2", "reconstruct.token_weight=1"])
+    with pytest.raises(ValueError, match="need compressor.pooling=slots"):
+        load_config(TINY_CONFIG, ["reconstruct.steps=2", "reconstruct.texts=[task,prose]"])
+    with pytest.raises(ValueError, match="reconstruct.texts: .*'nonsense'"):
+        load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2", "reconstruct.texts=[task,nonsense]"])
+    with pytest.raises(ValueError, match="reconstruct.continuation"):
+        load_config(TINY_CONFIG, SLOTS + ["reconstruct.continuation=1.5"])
     with pytest.raises(ValueError, match="max_slots"):
         load_config(TINY_CONFIG, SLOTS + ["compressor.min_slots=20"])
 
@@ -165,3 +171,75 @@ def test_eval_reads_a_slot_run_and_times_the_reused_sender(slot_run, tiny_lm):
     ilcp = results["tasks"]["babi:1"]["methods"]["ilcp"]
     assert ilcp["n"] == 3 and ilcp["wire_bytes"] > 0
     assert ilcp["latency"]["sender_reusing_forward_s"]["n"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# pretraining on text alone: reconstruction and continuation, before any question
+
+
+def test_prose_passages_stay_within_a_book_and_near_their_length(tiny_lm):
+    from ilcp.babilong import background_sentences
+    from ilcp.training.reconstruction_stage import prose_passages
+
+    passages = prose_passages(tiny_lm.tokenizer, "validation", 64)
+    assert len(passages) > 10
+    sentences = {s.text: s.source for s in background_sentences("validation")}
+    lengths = [len(tiny_lm.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in passages]
+    assert sorted(lengths)[len(lengths) // 2] <= 64 + 8  # about the asked length (a long sentence stands alone)
+    first_sentence = next(iter(sentences))
+    assert passages[0].startswith(first_sentence)
+    assert set(prose_passages(tiny_lm.tokenizer, "train", 64)).isdisjoint(passages)  # the books' splits
+
+
+def test_a_text_is_a_continuation_or_not_for_good():
+    from ilcp.training.reconstruction_stage import reads_as_continuation
+
+    texts = [f"text number {i}" for i in range(2000)]
+    chosen = [reads_as_continuation(t, 0.3) for t in texts]
+    assert chosen == [reads_as_continuation(t, 0.3) for t in texts]
+    assert 0.25 < sum(chosen) / len(texts) < 0.35
+    assert not any(reads_as_continuation(t, 0.0) for t in texts)
+    assert all(reads_as_continuation(t, 1.0) for t in texts)
+
+
+def test_pretraining_reads_prose_and_other_tasks_then_continues_and_its_loss_falls(tmp_path, tiny_lm):
+    from ilcp.training import train
+    from ilcp.training.reconstruction_stage import ReconstructionModule
+
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "run_name=pre",
+                                    *SLOTS, "reconstruct.steps=12", "reconstruct.val_every_steps=4",
+                                    "reconstruct.texts=[task,prose,babi:2]", "reconstruct.texts_per_source=20",
+                                    "reconstruct.continuation=0.5", "reconstruct.max_target_tokens=24",
+                                    "reconstruct.lr=0.01", "reconstruct.encoder_lr=0.01"])
+    seen = []
+    original = ReconstructionModule.tasks
+
+    def spy(self, batch):
+        out = original(self, batch)
+        seen.append(out)
+        return out
+
+    ReconstructionModule.tasks = spy
+    try:
+        result = train(cfg, lm=tiny_lm)
+    finally:
+        ReconstructionModule.tasks = original
+    metrics = result.metrics["reconstruct"]
+    assert metrics["contexts"] > 40  # the task's distinct contexts, 20 prose passages and 20 babi:2 contexts
+    curve = metrics["curve"]
+    assert len(curve) >= 3 and curve[-1]["val/loss"] < curve[0]["val/loss"]
+    asked = {tuple(p) for _, _, prompts in seen for p in prompts}
+    assert len(asked) == 2  # texts were said back and continued
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    assert handoff.send(LONG).latent.shape[0] > handoff.send(SHORT).latent.shape[0]
+
+
+def test_pretraining_stops_when_the_validation_loss_stops_falling(tmp_path, tiny_lm):
+    from ilcp.training import train
+
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "run_name=stop",
+                                    *SLOTS, "reconstruct.steps=400", "reconstruct.val_every_steps=1",
+                                    "reconstruct.patience=1", "reconstruct.lr=1e-9", "reconstruct.encoder_lr=1e-9",
+                                    "reconstruct.warmup_steps=0", "reconstruct.max_target_tokens=8"])
+    metrics = train(cfg, lm=tiny_lm).metrics["reconstruct"]
+    assert metrics["steps"] < 400  # a learning rate of 1e-9 cannot keep lowering the loss for 400 steps

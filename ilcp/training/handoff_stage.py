@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -332,18 +332,21 @@ def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dic
 
 def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.LightningDataModule, resume: bool, *,
               monitor: str, mode: str, max_steps: int, val_every_steps: int,
-              start: MemorySource | None = None) -> tuple[int, float, list[dict], dict]:
+              start: MemorySource | None = None, patience: int = 0) -> tuple[int, float, list[dict], dict]:
     """Fit a through-the-LM stage for `max_steps` steps, validating every `val_every_steps` and at
     the end; keep `last.ckpt` (resume) and the best checkpoint by `monitor`, whose weights the
     module holds afterwards. Returns (optimizer steps, seconds, validation curve, best curve row).
 
     With `start` (the module's memory source), the starting weights are validated too, as step 0,
-    and kept (``start.safetensors``) to be restored when no later step beats them."""
+    and kept (``start.safetensors``) to be restored when no later step beats them. With
+    `patience` > 0 the stage stops after that many validations without a better `monitor`."""
     stage_dir = cfg.run_dir / "stages" / name
     every = min(val_every_steps, max_steps)
     ckpt = ModelCheckpoint(dirpath=str(stage_dir / "checkpoints"), filename="best-{step}",
                            monitor=monitor, mode=mode, save_top_k=1, save_last=True)
-    trainer = make_trainer(cfg, stage_dir, name, [ckpt], max_steps=max_steps, val_check_interval=every,
+    callbacks = [ckpt] + ([EarlyStopping(monitor=monitor, mode=mode, patience=patience, check_on_train_epoch_end=False)]
+                          if patience > 0 else [])
+    trainer = make_trainer(cfg, stage_dir, name, callbacks, max_steps=max_steps, val_check_interval=every,
                            check_val_every_n_epoch=None, limit_val_batches=1.0)
     t0 = time.perf_counter()
     last = last_checkpoint(stage_dir) if resume else None

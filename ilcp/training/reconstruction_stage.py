@@ -17,6 +17,7 @@ plus ``reconstruct.random_texts`` texts of random whole-word tokens drawn fresh 
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import lightning as L
@@ -26,6 +27,8 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from .. import export, prompts
+from ..babilong import background_sentences
+from ..tasks import resolve_task
 from ..prefix import receiver_prefix
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
@@ -46,13 +49,66 @@ def distinct_contexts(rows: HandoffRows) -> HandoffRows:
     for i, r in enumerate(rows.rows):
         first.setdefault(r["context"], i)
     keep = list(first.values())
-    if rows.has_token_states:
+    if rows.states is None:
+        states = None
+    elif rows.has_token_states:
         parts = [rows.states[i] for i in keep]
         lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.long)
         states = TokenStates(torch.cat(parts), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
     else:
         states = rows.states[keep]
     return HandoffRows([{"context": rows.rows[i]["context"], "question": "", "answer": ""} for i in keep], states)
+
+
+def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) -> HandoffRows:
+    """The texts the stage reads from a split (``reconstruct.texts``), one row each, distinct, in
+    source order: the training rows' contexts ('task'), passages of the background books
+    ('prose', about ``reconstruct.max_target_tokens`` tokens each) and the contexts of other
+    tasks, split as each task splits; at most ``reconstruct.texts_per_source`` from each source
+    but 'task' (a tenth of that for validation). Only 'task' rows carry sender states."""
+    r = cfg.reconstruct
+    if r.texts == ["task"]:
+        return distinct_contexts(rows)
+    limit = r.texts_per_source if split == "train" else max(1, r.texts_per_source // 10)
+    texts: list[str] = []
+    for name in r.texts:
+        if name == "task":
+            texts += [row["context"] for row in rows.rows]
+        elif name == "prose":
+            texts += prose_passages(lm.tokenizer, split, r.max_target_tokens)[:limit]
+        else:
+            task = resolve_task(name)
+            max_tokens = lm.context_limit if sender_max_length(cfg, lm) >= lm.context_limit else None
+            kwargs = task.training_kwargs(cfg.data, limit, lm.tokenizer, max_tokens)
+            texts += list(dict.fromkeys(task.load(split, **kwargs)["context"]))[:limit]
+    unique = list(dict.fromkeys(t for t in texts if t.strip()))
+    say(f"reconstruction: {len(unique)} distinct {split} texts from {', '.join(r.texts)}")
+    return HandoffRows([{"context": t, "question": "", "answer": ""} for t in unique], None)
+
+
+def prose_passages(tokenizer, split: str, tokens: int) -> list[str]:
+    """The background books' sentences of a split, joined in book order into passages of about
+    ``tokens`` tokens (a passage never spans two books)."""
+    passages, current, count, source = [], [], 0, None
+    for sentence in background_sentences(split):
+        n = len(tokenizer(sentence.text, add_special_tokens=False)["input_ids"]) + 1
+        if current and (count + n > tokens or sentence.source != source):
+            passages.append(" ".join(current))
+            current, count = [], 0
+        current.append(sentence.text)
+        count, source = count + n, sentence.source
+    if current:
+        passages.append(" ".join(current))
+    return passages
+
+
+def reads_as_continuation(text: str, share: float) -> bool:
+    """Whether a text is read as a continuation (a fixed choice per text: sha256 of its content
+    against ``share``), so that validation asks the same of it at every step."""
+    if share <= 0:
+        return False
+    digest = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:4], "big")
+    return digest / 2**32 < share
 
 
 class ReconstructionModule(HandoffModule):
@@ -70,6 +126,9 @@ class ReconstructionModule(HandoffModule):
         self.max_target_tokens = cfg.reconstruct.max_target_tokens
         self.max_context_tokens = sender_max_length(cfg, lm)
         self.prompt_ids = lm.tokenizer(prompts.reconstruction_prompt(lm.tokenizer), add_special_tokens=False)["input_ids"]
+        self.continuation = cfg.reconstruct.continuation
+        self.continuation_ids = lm.tokenizer(prompts.continuation_prompt(lm.tokenizer),
+                                             add_special_tokens=False)["input_ids"]
         self.token_loss = cfg.reconstruct.token_weight > 0 or cfg.reconstruct.token_steps > 0
         self.pool_layers, self.seed, self.word_pool = tuple(cfg.data.pool_layers), cfg.trainer.seed, None
         if self.token_loss and not (encoder.chunked and encoder.num_memory_tokens == encoder.chunk_tokens):
@@ -146,13 +205,32 @@ class ReconstructionModule(HandoffModule):
         ids = self.tokenizer(prompts.answer_text(context, self.tokenizer), add_special_tokens=False)["input_ids"]
         return ids[: self.max_target_tokens]
 
-    def _teacher_forced(self, batch, memory=None) -> tuple[Tensor, Tensor]:
+    def tasks(self, batch: dict) -> tuple[dict, list[list[int]], list[list[int]]]:
+        """(the batch as the sender reads it, each row's target ids, each row's prompt ids): a text
+        read as a continuation (`reads_as_continuation`) hands over its first half and is
+        continued with its second; any other is said back whole."""
+        contexts, targets, prompt_ids = [], [], []
+        for context in batch["context"]:
+            ids = self.context_token_ids([context])[0]
+            if reads_as_continuation(context, self.continuation) and len(ids) >= 4:
+                cut = len(ids) // 2
+                contexts.append(self.tokenizer.decode(ids[:cut]))
+                targets.append(self.target_ids(self.tokenizer.decode(ids[cut:])))
+                prompt_ids.append(self.continuation_ids)
+            else:
+                contexts.append(context)
+                targets.append(self.target_ids(context))
+                prompt_ids.append(self.prompt_ids)
+        return ({**batch, "context": contexts} if contexts != batch["context"] else batch), targets, prompt_ids
+
+    def _teacher_forced(self, batch, memory=None, targets=None, prompt_ids=None) -> tuple[Tensor, Tensor]:
+        if targets is None:
+            batch, targets, prompt_ids = self.tasks(batch)
         memory, kl = self.memory(batch) if memory is None else memory
         device = self.lm.get_input_embeddings().weight.device
         sequences, labels = [], []
-        for i, context in enumerate(batch["context"]):
-            target = self.target_ids(context)
-            prefix = receiver_prefix(self.tokenizer, None, memory=memory[i], prompt_ids=self.prompt_ids)
+        for i, target in enumerate(targets):
+            prefix = receiver_prefix(self.tokenizer, None, memory=memory[i], prompt_ids=prompt_ids[i])
             sequences.append(prefix.embeds(self.lm, target))
             labels.append(torch.tensor([-100] * len(prefix) + target, device=device))
         return self._loss_on_tail(sequences, labels)[0], kl
@@ -168,8 +246,9 @@ class ReconstructionModule(HandoffModule):
             loss, accuracy = self._token_loss(memory, ids)
             self.log_dict({"train/token_loss": loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
             return loss
+        batch, targets, prompt_ids = self.tasks(batch)
         memory = self.memory(batch)
-        loss, kl = self._teacher_forced(batch, memory)
+        loss, kl = self._teacher_forced(batch, memory, targets, prompt_ids)
         self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=n)
         if r.token_weight > 0:
             token_loss, accuracy = self._token_loss(memory[0], self.context_token_ids(batch["context"]))
@@ -178,8 +257,9 @@ class ReconstructionModule(HandoffModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        batch, targets, prompt_ids = self.tasks(batch)
         memory = self.memory(batch)
-        loss, _ = self._teacher_forced(batch, memory)
+        loss, _ = self._teacher_forced(batch, memory, targets, prompt_ids)
         n = len(batch["context"])
         self.log("val/loss", loss, prog_bar=True, batch_size=n, sync_dist=True)
         if self.token_loss:
@@ -206,7 +286,7 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
         export.load_encoder_state(encoder, load_file(str(done)), source=str(done))
         say("reconstruction: finished earlier, loaded")
         return json.loads((stage_dir / "metrics.json").read_text())
-    train_ctx, val_ctx = distinct_contexts(train), distinct_contexts(val)
+    train_ctx, val_ctx = pretraining_rows(cfg, lm, train, "train"), pretraining_rows(cfg, lm, val, "validation")
     module = ReconstructionModule(encoder, lm, cfg)
     tr, fr = parameter_counts(module)
     say(f"reconstruction: {len(train_ctx)} distinct contexts ({len(val_ctx)} validation); {tr:,} trainable "
@@ -216,7 +296,8 @@ def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: 
     # is not what it trains (with reconstruct.token_logits=dot the vectors' scale is free).
     monitor, mode = ("val/token_acc", "max") if r.steps == 0 else ("val/loss", "min")
     steps, seconds, curve, best = fit_stage(cfg, STAGE, module, data, resume, monitor=monitor, mode=mode,
-                                            max_steps=r.token_steps + r.steps, val_every_steps=r.val_every_steps)
+                                            max_steps=r.token_steps + r.steps, val_every_steps=r.val_every_steps,
+                                            patience=r.patience)
     metrics = {"steps": steps, "train_seconds": round(seconds, 1), "contexts": len(train_ctx), "monitor": monitor,
                "best_step": best.get("step"), "best_val_loss": best.get("val/loss"),
                "best_val_token_acc": best.get("val/token_acc"),
