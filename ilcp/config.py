@@ -184,6 +184,9 @@ class HandoffConfig:
     distill_weight: float = _f(0.0, "ilcp: weight of a distillation term, KL(teacher || receiver) over the answer "
                                     "tokens, the teacher being the frozen LM reading the context text (0 = none)")
     distill_temperature: float = _f(1.0, "temperature of both distributions in the distillation term")
+    distill_teacher: str = _f("cold_read", "the distillation teacher: 'cold_read' (the frozen LM reading the text) or "
+                                           "'cold_read_tuned' (reading it behind this run's cold_read_tuned vectors, "
+                                           "trained first)")
     joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
     max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants)")
     batch_size: int = _f(8, "stage-2 batch size")
@@ -250,6 +253,12 @@ class HandoffConfig:
                              "handoff.variants, or name another run's directory")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
+        if self.distill_teacher not in ("cold_read", "cold_read_tuned"):
+            raise ValueError(f"handoff.distill_teacher must be 'cold_read' or 'cold_read_tuned', got "
+                             f"{self.distill_teacher!r}")
+        if self.distill_teacher == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
+            raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "
+                             "handoff.variants")
         if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("handoff.joint_kl_weight, warmup_steps and weight_decay must be >= 0")
 

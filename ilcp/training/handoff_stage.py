@@ -110,11 +110,14 @@ class HandoffModule(L.LightningModule):
         selected: for selection_tuned, the prompt token IDs of each ``(context, question)``
             (`ilcp.rclc_prompts.selection_prompt_ids`), which replace the cold-read
             prompt of a source that reads the context; None: the context text.
+        teacher: the distillation teacher's vectors (cold_read_tuned's, frozen), read in front of
+            the text; None: the plain cold read.
     """
 
     def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64,
-                 selected: dict[tuple[str, str], list[int]] | None = None):
+                 selected: dict[tuple[str, str], list[int]] | None = None, teacher: ConstantMemory | None = None):
         super().__init__()
+        self._teacher = (teacher,)  # outside the module tree: neither trained nor checkpointed here
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
         self.selected = selected
         self.lm = lm.model
@@ -174,9 +177,14 @@ class HandoffModule(L.LightningModule):
 
     def _distillation(self, batch: dict, logits: Tensor, targets: Tensor) -> Tensor:
         """KL(teacher || receiver) per answer token, the teacher being the frozen LM reading the
-        context text; both at ``distill_temperature``, scaled by its square."""
+        context text (behind cold_read_tuned's vectors with ``distill_teacher=cold_read_tuned``);
+        both at ``distill_temperature``, scaled by its square."""
         with torch.no_grad():
-            sequences, labels = self._answer_sequences(None, batch, with_context=True)
+            teacher_source = self._teacher[0]
+            if teacher_source is None:
+                sequences, labels = self._answer_sequences(None, batch, with_context=True)
+            else:
+                sequences, labels = self._teacher_sequences(teacher_source, batch)
             _, teacher, teacher_targets = self._loss_on_tail(sequences, labels, n_keep=logits.shape[1] + 1)
         if not torch.equal(teacher_targets, targets):
             raise RuntimeError("teacher and receiver answer tokens are not aligned")
@@ -185,6 +193,18 @@ class HandoffModule(L.LightningModule):
         log_student = F.log_softmax(logits[known] / t, dim=-1)
         log_teacher = F.log_softmax(teacher[known] / t, dim=-1)
         return F.kl_div(log_student, log_teacher, log_target=True, reduction="batchmean") * t * t
+
+    def _teacher_sequences(self, teacher: ConstantMemory, batch: dict) -> tuple[list[Tensor], list[Tensor]]:
+        """The tuned teacher's [vectors ; cold-read prompt ; answer] sequences, as cold_read_tuned reads."""
+        device = self.lm.get_input_embeddings().weight.device
+        vectors = teacher.soft_prompt.detach().to(device=device, dtype=self.lm.get_input_embeddings().weight.dtype)
+        sequences, labels = [], []
+        for context, question, answer in zip(batch["context"], batch["question"], batch["answer"]):
+            prefix = receiver_prefix(self.tokenizer, question, source=teacher, memory=vectors, context=context)
+            answer_ids = self.tokenizer(prompts.answer_text(answer, self.tokenizer), add_special_tokens=False)["input_ids"]
+            sequences.append(prefix.embeds(self.lm, answer_ids))
+            labels.append(torch.tensor([-100] * len(prefix) + answer_ids, device=device))
+        return sequences, labels
 
     def _loss_on_tail(self, sequences: list[Tensor], labels: list[Tensor],
                       n_keep: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -296,7 +316,9 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         say(f"stage 2 ({variant}): finished earlier, loaded")
         return source, json.loads((stage_dir / "metrics.json").read_text())
     selected = selected_prompts(cfg.handoff, lm, data) if variant == "selection_tuned" else None
-    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected)
+    teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
+    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
+                           teacher=teacher)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
     frozen = "the LM and the encoder parts this loss does not reach" if variant == "ilcp" else "the LM"

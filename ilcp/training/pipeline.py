@@ -257,9 +257,10 @@ def training_order(cfg: TrainConfig) -> list[str]:
     """The configured variants in order, but for the one ilcp reads its format vectors from
     (``handoff.format_from``), which is trained first."""
     order = list(cfg.handoff.variants)
-    if cfg.handoff.format_from in order:
-        order.remove(cfg.handoff.format_from)
-        order.insert(0, cfg.handoff.format_from)
+    for first in (cfg.handoff.format_from, cfg.handoff.distill_teacher):
+        if first in order:
+            order.remove(first)
+            order.insert(0, first)
     return order
 
 
