@@ -143,6 +143,9 @@ class CompressorConfig:
     tokens_per_slot: int = _f(16, "with pooling=slots, one memory slot per this many context tokens")
     min_slots: int = _f(1, "with pooling=slots, the fewest slots a context gets")
     max_slots: int = _f(64, "with pooling=slots, the most slots a context gets (longer contexts share them)")
+    slot_adapter_rank: int = _f(0, "with pooling=slots, rank of low-rank adapters on the sender LM's layers, active "
+                                   "for the slot positions only (0 = none: the slots alone learn)")
+    slot_adapter_targets: list = _f(["q_proj", "v_proj"], "the LM's linear layers (by name) the slot adapters adapt")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
@@ -166,12 +169,23 @@ class CompressorConfig:
         if min(self.tokens_per_slot, self.min_slots) < 1 or self.max_slots < self.min_slots:
             raise ValueError("compressor.tokens_per_slot and compressor.min_slots must be >= 1 and compressor.max_slots "
                              f">= compressor.min_slots, got {self.tokens_per_slot}, {self.min_slots}, {self.max_slots}")
+        if self.slot_adapter_rank < 0 or not (isinstance(self.slot_adapter_targets, list) and self.slot_adapter_targets
+                                              and all(isinstance(t, str) for t in self.slot_adapter_targets)):
+            raise ValueError("compressor.slot_adapter_rank must be >= 0 and compressor.slot_adapter_targets a non-empty "
+                             f"list of layer names, got {self.slot_adapter_rank}, {self.slot_adapter_targets!r}")
+        if self.slot_adapter_rank > 0 and self.pooling != "slots":
+            raise ValueError("compressor.slot_adapter_rank > 0 adapts the LM for memory slots: it needs "
+                             "compressor.pooling=slots")
         if self.pooling == "slots" and (self.chunk_tokens > 0 or self.answer_head_weight > 0):
             raise ValueError("compressor.pooling=slots needs compressor.chunk_tokens=0 and compressor.answer_head_weight=0 "
                              "(the slots are the chunks, and are trained through the LM in stage 2)")
         if self.story_attention_weight > 0 and (self.pooling != "attention" or self.chunk_tokens > 0):
             raise ValueError("compressor.story_attention_weight > 0 teaches an attention pooler over the whole "
                              "context: it needs compressor.pooling=attention and compressor.chunk_tokens=0")
+
+
+# the readers of the text a distillation teacher can be (the plain LM, or behind this run's tuned vectors)
+DISTILL_TEACHERS = ("cold_read", "cold_read_tuned")
 
 
 @dataclass
@@ -253,8 +267,8 @@ class HandoffConfig:
                              "handoff.variants, or name another run's directory")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
-        if self.distill_teacher not in ("cold_read", "cold_read_tuned"):
-            raise ValueError(f"handoff.distill_teacher must be 'cold_read' or 'cold_read_tuned', got "
+        if self.distill_teacher not in DISTILL_TEACHERS:
+            raise ValueError(f"handoff.distill_teacher must be one of {list(DISTILL_TEACHERS)}, got "
                              f"{self.distill_teacher!r}")
         if self.distill_teacher == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
             raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "

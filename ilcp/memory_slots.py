@@ -12,8 +12,15 @@ The forward runs in two parts, which causal attention makes equal to one forward
 the context alone (`slot_states` runs it, or takes the key/value cache of a forward the sender
 already ran), then the N slot tokens reading that cache. A sender that has just read its context
 therefore pays only the N slot positions (`ILCPHandoff.send_from_hidden_states` with the forward's
-cache); without that cache the cost is its forward over the context plus N positions. The LM is
-never changed: the slots are inputs, so the sender's own generation is what it was.
+cache); without that cache the cost is its forward over the context plus N positions.
+
+Optional low-rank adapters (``adapter_rank`` > 0, on the LM's linear layers named by config,
+`adaptable_modules`) act during the slot part only, as forward hooks added for that forward and
+removed after it: the LM object is never changed, so the sender's own generation, the context's
+cache and a receiver sharing the same LM in process are what they were. They are exported with
+the slots (``pooler.adapters.*``, under the export's digests). Hooks rather than a wrapping
+adapter library, because such libraries replace the LM's modules in place, which would change the
+model every other user of the loaded LM holds.
 
     slots = SlotTokens(dim=576, hidden_size=576, tokens_per_slot=16, min_slots=1, max_slots=64)
     states, slot_mask = slot_states(model, slots, attention_mask, layers=(-1,), input_ids=ids)
@@ -22,12 +29,15 @@ never changed: the slots are inputs, so the sender's own generation is what it w
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .compat import cache_kwargs, logits_to_keep_kwargs, output_cache
@@ -55,7 +65,8 @@ class SlotTokens(nn.Module):
 
     kind = "slots"
 
-    def __init__(self, dim: int, hidden_size: int, tokens_per_slot: int, min_slots: int, max_slots: int):
+    def __init__(self, dim: int, hidden_size: int, tokens_per_slot: int, min_slots: int, max_slots: int,
+                 adapter_rank: int = 0, adapter_modules: Sequence[tuple[str, int, int]] = ()):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_size", hidden_size), ("tokens_per_slot", tokens_per_slot),
                             ("min_slots", min_slots)):
@@ -65,6 +76,12 @@ class SlotTokens(nn.Module):
             raise ValueError(f"max_slots must be an int >= min_slots ({min_slots}), got {max_slots!r}")
         self.dim, self.tokens_per_slot, self.min_slots, self.max_slots = dim, tokens_per_slot, min_slots, max_slots
         self.embeddings = nn.Parameter(torch.zeros(max_slots, hidden_size))
+        if adapter_rank < 0 or (adapter_rank > 0) != bool(adapter_modules):
+            raise ValueError("adapters need a rank >= 1 and the LM modules they adapt (or neither)")
+        self.adapter_rank = int(adapter_rank)
+        self.adapters = nn.ModuleDict({_key(name): LowRank(n_in, n_out, adapter_rank)
+                                       for name, n_in, n_out in adapter_modules})
+        self.adapter_modules = tuple((name, n_in, n_out) for name, n_in, n_out in adapter_modules)
 
     @property
     def output_dim(self) -> int:
@@ -78,6 +95,29 @@ class SlotTokens(nn.Module):
         """Slots of contexts of these token counts (see `slot_counts`)."""
         return slot_counts(lengths, self.tokens_per_slot, self.min_slots, self.max_slots)
 
+    @contextlib.contextmanager
+    def adapting(self, model: nn.Module):
+        """While inside, the adapted linear layers of `model` add their low-rank updates (forward
+        hooks, removed on exit: the LM itself is never changed)."""
+        if not self.adapter_modules:
+            yield
+            return
+        modules = dict(model.named_modules())
+        missing = [name for name, _, _ in self.adapter_modules if name not in modules]
+        if missing:
+            raise ValueError(f"the slot adapters name LM modules this LM lacks: {missing[:3]}")
+        hooks = []
+        try:
+            for name, n_in, n_out in self.adapter_modules:
+                module, adapter = modules[name], self.adapters[_key(name)]
+                if getattr(module, "in_features", n_in) != n_in or getattr(module, "out_features", n_out) != n_out:
+                    raise ValueError(f"the slot adapter of {name} is {n_in} -> {n_out}; this LM's module is not")
+                hooks.append(module.register_forward_hook(_adding(adapter)))
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     @torch.no_grad()
     def init_from_embeddings(self, table: Tensor, seed: int = 0) -> None:
         """Start each slot at a random row of the LM's input-embedding table (the scale of real tokens)."""
@@ -86,6 +126,37 @@ class SlotTokens(nn.Module):
         g = torch.Generator().manual_seed(seed)
         rows = torch.randint(0, table.shape[0], (self.max_slots,), generator=g)
         self.embeddings.copy_(table.detach().float().cpu()[rows].to(self.embeddings.device))
+
+
+class LowRank(nn.Module):
+    """A low-rank update ``B A x`` (rank r; B starts at zero, so an untrained adapter changes nothing)."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(rank, n_in) / math.sqrt(n_in))
+        self.b = nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(F.linear(x.to(self.a.dtype), self.a), self.b)
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")  # a module name as a ModuleDict key
+
+
+def _adding(adapter: LowRank):
+    def hook(module, inputs, output):
+        return output + adapter(inputs[0]).to(output.dtype)
+    return hook
+
+
+def adaptable_modules(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the LM's linear layers whose names end with one of `targets` ("q_proj")."""
+    found = [(name, m.in_features, m.out_features) for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    if not found:
+        raise ValueError(f"this LM has no linear layer named {list(targets)}")
+    return found
 
 
 def slot_states(model: nn.Module, slots: SlotTokens, attention_mask: Tensor, layers: Sequence[int] = (-1,), *,
@@ -120,9 +191,10 @@ def slot_states(model: nn.Module, slots: SlotTokens, attention_mask: Tensor, lay
     slot_mask = positions.unsqueeze(0) < counts.unsqueeze(1)
     table = model.get_input_embeddings().weight
     embeds = slots.embeddings[:n].to(device=table.device, dtype=table.dtype).unsqueeze(0).expand(mask.shape[0], -1, -1)
-    out = model(inputs_embeds=embeds, attention_mask=torch.cat([mask, slot_mask.long()], dim=-1),
-                position_ids=lengths.unsqueeze(1) + positions.unsqueeze(0), output_hidden_states=True,
-                use_cache=True, **cache_kwargs(model, cache), **logits_to_keep_kwargs(model, 1))
+    with slots.adapting(model):  # the adapters act on the slot positions only; the context ran without them
+        out = model(inputs_embeds=embeds, attention_mask=torch.cat([mask, slot_mask.long()], dim=-1),
+                    position_ids=lengths.unsqueeze(1) + positions.unsqueeze(0), output_hidden_states=True,
+                    use_cache=True, **cache_kwargs(model, cache), **logits_to_keep_kwargs(model, 1))
     return layer_states(out, layers), slot_mask
 
 
@@ -200,6 +272,8 @@ class SlotMemory(MemoryKind):
     tokens_per_slot: int = 16
     min_slots: int = 1
     max_slots: int = 64
+    adapter_rank: int = 0  # low-rank adapters on the LM's layers for the slot positions (0 = none)
+    adapter_modules: tuple = ()  # ((LM module name, in, out), ...) they adapt
 
     def __post_init__(self):
         for name in ("tokens_per_slot", "min_slots", "max_slots"):
@@ -208,6 +282,15 @@ class SlotMemory(MemoryKind):
                 raise ValueError(f"'pooling.{name}' must be >= 1, got {value!r}")
         if self.max_slots < self.min_slots:
             raise ValueError(f"'pooling.max_slots' ({self.max_slots}) must be >= 'pooling.min_slots' ({self.min_slots})")
+        if isinstance(self.adapter_rank, bool) or not isinstance(self.adapter_rank, int) or self.adapter_rank < 0:
+            raise ValueError(f"'pooling.adapter_rank' must be >= 0, got {self.adapter_rank!r}")
+        modules = tuple(tuple(m) for m in self.adapter_modules)
+        if not all(len(m) == 3 and isinstance(m[0], str) and all(isinstance(v, int) and v >= 1 for v in m[1:])
+                   for m in modules):
+            raise ValueError("'pooling.adapters' must map LM module names to [in, out] sizes")
+        if (self.adapter_rank > 0) != bool(modules):
+            raise ValueError("'pooling.adapter_rank' and 'pooling.adapters' come together")
+        object.__setattr__(self, "adapter_modules", modules)
 
     @classmethod
     def claims(cls, pooling: dict) -> bool:
@@ -216,24 +299,34 @@ class SlotMemory(MemoryKind):
     @classmethod
     def from_pooling(cls, pooling: dict) -> SlotMemory:
         wrapped = {"pooling": pooling}
-        return cls(*(config_value(wrapped, f"pooling.{name}", int, minimum=1)
-                     for name in ("tokens_per_slot", "min_slots", "max_slots")))
+        counts = [config_value(wrapped, f"pooling.{name}", int, minimum=1)
+                  for name in ("tokens_per_slot", "min_slots", "max_slots")]
+        rank = config_value(wrapped, "pooling.adapter_rank", int, minimum=0, required=False, default=0)
+        adapters = config_value(wrapped, "pooling.adapters", dict, required=False, default={})
+        if not all(isinstance(v, list) and len(v) == 2 for v in adapters.values()):
+            raise ValueError("'pooling.adapters' must map LM module names to [in, out] sizes")
+        return cls(*counts, rank, tuple((name, *sizes) for name, sizes in adapters.items()))
 
     def pooling_entries(self) -> dict:
-        return {"kind": "slots", "tokens_per_slot": self.tokens_per_slot, "min_slots": self.min_slots,
-                "max_slots": self.max_slots}
+        entries = {"kind": "slots", "tokens_per_slot": self.tokens_per_slot, "min_slots": self.min_slots,
+                   "max_slots": self.max_slots}
+        if self.adapter_rank:
+            entries |= {"adapter_rank": self.adapter_rank,
+                        "adapters": {name: [n_in, n_out] for name, n_in, n_out in self.adapter_modules}}
+        return entries
 
     @classmethod
     def from_encoder(cls, encoder: ILCPEncoder) -> SlotMemory | None:
         if not isinstance(encoder, SlotEncoder):
             return None
         s = encoder.slots
-        return cls(s.tokens_per_slot, s.min_slots, s.max_slots)
+        return cls(s.tokens_per_slot, s.min_slots, s.max_slots, s.adapter_rank, s.adapter_modules)
 
     def pooler(self, state_dim: int, hidden_size: int | None = None) -> SlotTokens:
         if hidden_size is None:
             raise ValueError("slot tokens need the LM's hidden size")
-        return SlotTokens(state_dim, hidden_size, self.tokens_per_slot, self.min_slots, self.max_slots)
+        return SlotTokens(state_dim, hidden_size, self.tokens_per_slot, self.min_slots, self.max_slots,
+                          self.adapter_rank, self.adapter_modules)
 
     def encoder(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, pooler, **receiver) -> SlotEncoder:
         return SlotEncoder(vae, projector, pooler, **receiver)

@@ -243,3 +243,62 @@ def test_pretraining_stops_when_the_validation_loss_stops_falling(tmp_path, tiny
                                     "reconstruct.warmup_steps=0", "reconstruct.max_target_tokens=8"])
     metrics = train(cfg, lm=tiny_lm).metrics["reconstruct"]
     assert metrics["steps"] < 400  # a learning rate of 1e-9 cannot keep lowering the loss for 400 steps
+
+
+# --------------------------------------------------------------------------------------------
+# low-rank adapters on the sender's LM, for the slot positions only
+
+
+def test_adapters_act_on_the_slots_only_and_leave_the_lm_as_it_was(tiny_lm):
+    from ilcp.memory_slots import adaptable_modules
+
+    model = tiny_lm.model
+    modules = adaptable_modules(model, ["q_proj", "v_proj"])
+    assert len(modules) == 2 * model.config.num_hidden_layers
+    plain = _slots(tiny_lm)
+    adapted = SlotTokens(plain.dim, tiny_lm.hidden_size, 4, 1, 8, adapter_rank=2, adapter_modules=modules)
+    adapted.embeddings.data.copy_(plain.embeddings.data)
+    ids, mask = _ids(tiny_lm, [SHORT, LONG])
+    hooks = {name: dict(m._forward_hooks) for name, m in model.named_modules()}
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        reference, _ = slot_states(model, plain, mask, input_ids=ids)
+        torch.testing.assert_close(slot_states(model, adapted, mask, input_ids=ids)[0], reference)  # B = 0: no change
+        for adapter in adapted.adapters.values():
+            adapter.b.normal_(0, 0.5)
+        changed, _ = slot_states(model, adapted, mask, input_ids=ids)
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(changed, reference, atol=1e-4)
+    torch.testing.assert_close(after, before)  # the sender's own forward is what it was
+    assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == hooks  # none left behind
+    with pytest.raises(ValueError, match="lacks"):
+        broken = SlotTokens(plain.dim, tiny_lm.hidden_size, 4, 1, 8, adapter_rank=2,
+                            adapter_modules=[("model.layers.9.self_attn.q_proj", 64, 64)])
+        slot_states(model, broken, mask, input_ids=ids)
+
+
+def test_a_run_with_adapters_exports_them_under_its_digests(tmp_path, tiny_lm):
+    from safetensors.torch import load_file, save_file
+
+    from ilcp.training import train
+
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "run_name=lora",
+                                    *SLOTS, "compressor.slot_adapter_rank=2"])
+    result = train(cfg, lm=tiny_lm)
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["pooling"]["adapter_rank"] == 2
+    assert len(config["pooling"]["adapters"]) == 2 * tiny_lm.model.config.num_hidden_layers
+    state = load_file(str(result.run_dir / "model.safetensors"))
+    trained_b = [v for k, v in state.items() if k.startswith("pooler.adapters.") and k.endswith(".b")]
+    assert trained_b and any(bool(b.abs().sum() > 0) for b in trained_b)  # the adapters learned
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    assert handoff.encoder.slots.adapter_rank == 2
+    wire = handoff.send(LONG).to_bytes()
+    assert handoff.receive(wire, "Where is John?") == handoff.receive(handoff.send(LONG), "Where is John?")
+    key = next(k for k in state if k.startswith("pooler.adapters."))
+    state[key] = state[key] + 0.01
+    save_file(state, str(result.run_dir / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ExportError, match="model.safetensors"):
+        ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    with pytest.raises(ValueError, match="needs compressor.pooling=slots"):
+        load_config(TINY_CONFIG, ["compressor.slot_adapter_rank=2"])

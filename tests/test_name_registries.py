@@ -135,6 +135,7 @@ def test_a_new_memory_kind_is_one_entry(monkeypatch):
 NOT_COPIES = {
     ("ilcp/config.py", "VARIANTS"): "the training variants",
     ("ilcp/config.py", "DEFAULT_VARIANTS"): "the training variants trained by default",
+    ("ilcp/config.py", "DISTILL_TEACHERS"): "the text readers a distillation teacher can be",
     ("ilcp/export.py", "BASELINES"): "the soft-prompt training variants",
     ("ilcp/training/handoff_stage.py", "make_memory_source"): "the soft-prompt training variants",
     ("ilcp/evaluation/decoders.py", "THROUGHPUT_METHODS"): "the methods whose decode throughput is measured",

@@ -14,6 +14,7 @@ prose within stage 1's steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -31,7 +32,7 @@ from ..config import CompressorConfig, TrainConfig
 from ..encoder import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..memory_kinds import MemoryKind, memory_kind_for
-from ..memory_slots import SlotEncoder
+from ..memory_slots import SlotEncoder, adaptable_modules
 from ..pooling import AttentionPooler, ConcatPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader, sender_max_length
 from .distributed import gather_rows, save_stage
@@ -259,6 +260,9 @@ def start_slot_encoder(cfg: TrainConfig, lm: LM, train: HandoffRows) -> SlotEnco
     c = cfg.compressor
     L.seed_everything(cfg.trainer.seed, verbose=False)
     kind = memory_kind(cfg)
+    if c.slot_adapter_rank:
+        kind = dataclasses.replace(kind, adapter_rank=c.slot_adapter_rank,
+                                   adapter_modules=adaptable_modules(lm.model, c.slot_adapter_targets))
     slots = kind.pooler(lm.hidden_size * len(cfg.data.pool_layers), hidden_size=lm.hidden_size)
     slots.init_from_embeddings(lm.model.get_input_embeddings().weight, seed=cfg.trainer.seed)
     encoder = kind.encoder(BetaVAE(slots.output_dim, c.latent_dim, c.hidden_dim, c.beta), None, slots)
@@ -271,7 +275,10 @@ def start_slot_encoder(cfg: TrainConfig, lm: LM, train: HandoffRows) -> SlotEnco
             states.append(batch[mask].float().cpu())
     states = torch.cat(states)
     encoder.vae.set_standardisation(states)
-    say(f"stage 1 (compressor): memory slots (one per {c.tokens_per_slot} tokens, {c.min_slots} to {c.max_slots}), "
+    adapters = (f", rank-{c.slot_adapter_rank} adapters on {len(slots.adapter_modules)} LM layers"
+                if c.slot_adapter_rank else "")
+    say(f"stage 1 (compressor): memory slots (one per {c.tokens_per_slot} tokens, {c.min_slots} to {c.max_slots}"
+        f"{adapters}), "
         f"trained in stage 2 with the VAE; standardisation from {states.shape[0]} slot states of {len(contexts)} "
         "training contexts")
     return encoder
