@@ -302,3 +302,18 @@ def test_a_run_with_adapters_exports_them_under_its_digests(tmp_path, tiny_lm):
         ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
     with pytest.raises(ValueError, match="needs compressor.pooling=slots"):
         load_config(TINY_CONFIG, ["compressor.slot_adapter_rank=2"])
+
+
+def test_the_sender_benchmark_times_both_routes_and_they_agree(tmp_path, capsys):
+    from _benchmarks import load_benchmark
+
+    bench = load_benchmark("slot_sender")
+    out = tmp_path / "slots.json"
+    assert bench.main(["--lm", "tiny-qwen3", "--lengths", "16,48", "--tokens-per-slot", "8", "--repeats", "1",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context_tokens"], r["slots"]) for r in rows] == [(16, 2), (48, 6)]
+    assert all(r["max_state_difference"] < 1e-4 and r["slot_part_s"] > 0 for r in rows)
+    assert "| 48 | 6 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--lm", "tiny-qwen3", "--lengths", "x"])
