@@ -73,6 +73,8 @@ class DataConfig:
                                          "carved out for validation")
     test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
                                    "out for test (eval's split)")
+    heldout_tasks: list = _f([], "tasks of data.task kept out of every training stage (pretraining texts "
+                                 "included); eval reports them as held out, e.g. [babi:2, babi:3, babi:19]")
 
     def __post_init__(self):
         from .names import unknown_task  # the standard library only
@@ -90,6 +92,11 @@ class DataConfig:
         if self.task.strip() == "facts-heldout":
             raise ValueError("data.task: 'facts-heldout' is an evaluation split (values never seen in training); "
                              "train on 'facts' with data.facts_value_split=train")
+        if not isinstance(self.heldout_tasks, list) or not all(isinstance(t, str) for t in self.heldout_tasks):
+            raise ValueError(f"data.heldout_tasks must be a list of task names, got {self.heldout_tasks!r}")
+        for name in self.heldout_tasks:
+            if unknown_task(name) is not None:
+                raise ValueError(f"data.heldout_tasks: {unknown_task(name)}")
         if not isinstance(self.columns, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in self.columns.items()):
             raise ValueError(f"data.columns must map names to column names, got {self.columns!r}")

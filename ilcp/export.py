@@ -157,6 +157,17 @@ def load_trained_state(source: MemorySource, state: dict[str, Tensor], *, origin
 # writing
 
 
+def heldout_entries(data) -> dict:
+    """config.json's ``task`` entry: ``data.task``, or with ``data.heldout_tasks`` the task trained on
+    without them and ``heldout_tasks`` (their names, which eval reports as held out)."""
+    if not data.heldout_tasks:
+        return {"task": data.task}
+    from .tasks import held_out, resolve_task
+
+    return {"task": held_out(resolve_task(data.task), data.heldout_tasks).name,
+            "heldout_tasks": [resolve_task(name).name for name in data.heldout_tasks]}
+
+
 def task_settings(data) -> dict:
     """What the training task records beyond the common settings so eval rebuilds its test split
     (a file task's column names and split fractions; nothing for the built-in tasks)."""
@@ -188,7 +199,7 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
         "lm": {"spec": lm.spec, "fingerprint": lm.fingerprint, "dtype": cfg.lm.dtype, "hidden_size": lm.hidden_size,
                "precision": precision},
         "num_memory_tokens": cfg.handoff.num_memory_tokens,
-        "task": d.task,
+        **heldout_entries(d),
         "task_settings": {"babi_variant": d.babi_variant, "facts_n_facts": d.facts_n_facts,
                           "facts_n_distractors": d.facts_n_distractors, "facts_value_split": d.facts_value_split,
                           "seed": d.seed, **task_settings(d)},

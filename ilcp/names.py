@@ -116,6 +116,7 @@ METHOD_GROUPS = {
 # the forms it accepts, in the order the registry tries them; each source registers its loader
 # under its key here (`ilcp.tasks.register_task`)
 TASK_NAMES = {
+    "mix": (r"mix:.+", "a mix of any tasks 'mix:squad|babi:all' (balanced, reported task by task)"),
     "babi": (r"babi[-:_](?:qa)?\d+(?:\+(?:babi[-:_]?)?(?:qa)?\d+)*|qa\d+|babi[-:_]all",
              "'babi:N' (a bAbI task number; also 'babi-qaN'), a mix 'babi:1+2+3', 'babi:all' (every shipped task)"),
     "facts": (r"facts(?:-heldout)?", "'facts', 'facts-heldout' (eval: values never seen in training)"),

@@ -141,7 +141,7 @@ def test_every_task_name_pattern_has_its_source_registered():
 
     assert task_sources() == tuple(names.TASK_NAMES)
     examples = {"babi": "babi:all", "facts": "facts", "babilong": "babilong:1:0.5k", "squad": "squad",
-                "files": "jsonl:notes.jsonl"}
+                "files": "jsonl:notes.jsonl", "mix": "mix:squad|babi:1"}
     assert set(examples) == set(names.TASK_NAMES)
     for source, name in examples.items():
         assert names.task_source(name) == source

@@ -47,14 +47,24 @@ def training_tasks(train_task: str) -> list[Task]:
     return list(resolve_task(train_task).parts())
 
 
-def resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False) -> list[Task]:
-    """The run's training tasks (unless ``only_extra``), then each of ``extra`` (a mix as its tasks)."""
+def resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = False,
+                  heldout: Sequence[str] = ()) -> list[Task]:
+    """The run's training tasks and the tasks it held out (unless ``only_extra``), then each of
+    ``extra`` (a mix as its tasks)."""
     if isinstance(extra, str):
         extra = split_task_names(extra)
-    specs = [] if only_extra else training_tasks(train_task)
+    specs = [] if only_extra else training_tasks(train_task) + [parse_task(name) for name in heldout]
     for name in extra:
         specs += parse_task(name).parts()
     return list({s.name: s for s in specs}.values())
+
+
+def heldout_tasks(config: dict, ckpt: Path) -> list[str]:
+    """The tasks a run held out of training (config.json ``heldout_tasks``; none in older exports)."""
+    names = config.get("heldout_tasks", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ExportError(f"{ckpt / 'config.json'}: heldout_tasks must be a list of task names, got {names!r}")
+    return names
 
 
 FACTS_SETTINGS = {"n_facts": "facts_n_facts", "n_distractors": "facts_n_distractors", "seed": "seed"}
@@ -145,7 +155,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     ckpt = Path(ckpt)
     run_config = read_config(ckpt)
     chosen = _resolve_methods(config.methods)
-    task_specs = resolve_tasks(run_config["task"], config.tasks, config.only_tasks)
+    task_specs = resolve_tasks(run_config["task"], config.tasks, config.only_tasks, heldout_tasks(run_config, ckpt))
     trained_on = {s.name for s in training_tasks(run_config["task"])}
     facts_settings = (run_facts_settings(run_config, ckpt) if any(spec.needs_facts_settings for spec in task_specs)
                       else None)

@@ -9,7 +9,9 @@ Every task name resolves through one registry (`resolve_task`), one module per s
 - `ilcp.tasks.babilong`: bAbI stories in long prose (``babilong:N:LENGTH``);
 - `ilcp.tasks.files`: a user's own files (``jsonl:PATH``, ``csv:PATH``, ``parquet:PATH``,
   ``disk:PATH``), read by `datasets`;
-- `ilcp.tasks.squad`: the shipped SQuAD v1.1 subset (``squad``).
+- `ilcp.tasks.squad`: the shipped SQuAD v1.1 subset (``squad``);
+- `ilcp.tasks.mix`: a balanced mix of tasks of any sources (``mix:squad|babi:all``), and
+  `held_out` (a task without the parts ``data.heldout_tasks`` names).
 
     from ilcp.tasks import load_task, resolve_task, task_config_key
     test = load_task("babi:1", "test", limit=100)
@@ -34,6 +36,7 @@ from .facts import (ALL_ENTITIES, BASE_ENTITIES, FACT_ATTRIBUTE_VOCABULARY, FACT
 from .babilong import BabilongTaskEntry, babilong_config_key, babilong_stories, load_babilong  # noqa: E402
 from .squad import SquadTask, squad_dir  # noqa: E402
 from .files import FileTask, file_config_key, load_files  # noqa: E402
+from .mix import MixTask, held_out  # noqa: E402
 from . import facts as _facts  # noqa: E402
 
 # Module-level names the facts tests read.
@@ -43,9 +46,10 @@ __all__ = [
     "ALL_ENTITIES", "BABI_DIR_ENV", "BASE_ENTITIES", "EvalTaskContext", "EvalRows", "FACTS_TEST_SIZE",
     "FACTS_VALUE_SPLIT_VERSION", "FACTS_VERSION", "FACT_ATTRIBUTES", "FACT_ATTRIBUTE_VOCABULARY",
     "FACT_VOCABULARIES", "FactAttribute", "HELDOUT_FRACTION", "SPLITS", "TASK_COLUMNS", "Task", "TaskFormatError",
-    "VALUE_SPLITS", "BabiTask", "BabilongTaskEntry", "FactsTask", "FileTask", "SquadTask", "available_tasks",
+    "VALUE_SPLITS", "BabiTask", "BabilongTaskEntry", "FactsTask", "FileTask", "MixTask", "SquadTask", "available_tasks",
     "babi_data_dir", "babi_file", "babi_stories", "babi_task_numbers", "babilong_config_key", "babilong_stories",
     "count_tokens", "default_babi_dir", "fact_values", "facts_contexts", "facts_for_length", "file_config_key",
+    "held_out",
     "load_babi", "load_babi_mix", "load_babilong", "load_files", "load_task", "make_facts", "register_task",
     "resolve_task", "squad_dir", "task_config_key", "task_syntax",
 ]

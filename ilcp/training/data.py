@@ -21,23 +21,30 @@ from ..config import TrainConfig
 from ..lm import LM
 from ..pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
 from ..babilong import story_token_mask
-from ..tasks import FACT_VOCABULARIES, fact_values, resolve_task
+from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
 from .extraction import cached_pooled_states, cached_token_states
 from .log import run_precision, say
 
 
+def training_task(cfg: TrainConfig) -> Task:
+    """The task every training stage reads: ``data.task`` without the tasks ``data.heldout_tasks``
+    holds out (`ilcp.tasks.held_out`; ValueError in one line for a name that is not one of its
+    tasks, or one that holds out all of them)."""
+    return held_out(resolve_task(cfg.data.task), cfg.data.heldout_tasks)
+
+
 def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
-    """Arguments of the configured task's loader for a split of ``size`` rows (the task's own
+    """Arguments of the training task's loader for a split of ``size`` rows (the task's own
     `ilcp.tasks.Task.training_kwargs`): ``tokenizer`` (the LM's) for the tasks that count tokens,
     ``max_tokens`` for those that refuse a context longer than the LM's limit."""
-    return resolve_task(cfg.data.task).training_kwargs(cfg.data, size, tokenizer, max_tokens)
+    return training_task(cfg).training_kwargs(cfg.data, size, tokenizer, max_tokens)
 
 
 def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None):
     """(rows as a list of dicts, task key for the cache) of the configured task; ``tokenizer``:
     the LM's; ``max_tokens``: the LM's limit where contexts must fit it whole (no configured cut)."""
-    task = resolve_task(cfg.data.task)
+    task = training_task(cfg)
     task.check_trainable()
     kwargs = task_kwargs(cfg, split, size, tokenizer, max_tokens)
     ds = task.load(split, **kwargs)
@@ -244,7 +251,7 @@ def story_masks(cfg: TrainConfig, split: str, size: int, tokenizer, rows: list[d
     """Which token states of each BABILong row are its story's (for
     ``compressor.story_attention_weight``), aligned with the states the sender kept (its last
     tokens where a context was cut)."""
-    stories = resolve_task(cfg.data.task).stories(split, **task_kwargs(cfg, split, size, tokenizer))
+    stories = training_task(cfg).stories(split, **task_kwargs(cfg, split, size, tokenizer))
     if len(stories) != len(rows):
         raise ValueError(f"{len(rows)} {split} rows but {len(stories)} bAbI stories behind them")
     masks = []

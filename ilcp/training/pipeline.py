@@ -35,10 +35,10 @@ from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
-from .data import HandoffDataModule, prepare_data, sender_max_length
+from .data import HandoffDataModule, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
-from .reconstruction_stage import train_reconstruction
+from .reconstruction_stage import check_pretraining_texts, train_reconstruction
 from .log import read_checkpoint, run_precision, say
 
 
@@ -211,6 +211,10 @@ class StageClock:
 
 def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, clock: StageClock) -> TrainResult:
     run_dir = cfg.run_dir
+    task = training_task(cfg)  # held-out names are checked before the LM loads
+    check_pretraining_texts(cfg)
+    if cfg.data.heldout_tasks:
+        say(f"holding out {', '.join(cfg.data.heldout_tasks)}: training on {task.name}")
     # rank 0 first: it converts the LM and extracts the sender states into the caches the others read
     with procs.main_first():
         if lm is None:

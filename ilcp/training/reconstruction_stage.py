@@ -86,6 +86,20 @@ def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) ->
     return HandoffRows([{"context": t, "question": "", "answer": ""} for t in unique], None)
 
 
+def check_pretraining_texts(cfg: TrainConfig) -> None:
+    """Refuse (one line) a ``reconstruct.texts`` task that holds a task ``data.heldout_tasks`` keeps out."""
+    if not cfg.reconstruct.enabled or not cfg.data.heldout_tasks:
+        return
+    held = {resolve_task(name).name for name in cfg.data.heldout_tasks}
+    for name in cfg.reconstruct.texts:
+        if name in ("task", "prose"):
+            continue
+        leaked = sorted(held & {p.name for p in resolve_task(name).parts()})
+        if leaked:
+            raise ValueError(f"reconstruct.texts: {name!r} holds {', '.join(leaked)}, which data.heldout_tasks keeps "
+                             "out of every stage")
+
+
 def prose_passages(tokenizer, split: str, tokens: int) -> list[str]:
     """The background books' sentences of a split, joined in book order into passages of about
     ``tokens`` tokens (a passage never spans two books)."""
