@@ -19,6 +19,8 @@ from ilcp.projector import GatedLatentToMemoryProjector
 
 from conftest import TINY_CONFIG
 
+REPO = TINY_CONFIG.parent.parent
+
 SLOTS = ["compressor.pooling=slots", "compressor.answer_head_weight=0", "compressor.tokens_per_slot=8",
          "compressor.min_slots=2", "compressor.max_slots=12", "handoff.variants=[ilcp]"]
 SHORT = "Mary went to the kitchen."
@@ -317,3 +319,27 @@ def test_the_sender_benchmark_times_both_routes_and_they_agree(tmp_path, capsys)
     assert "| 48 | 6 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--lm", "tiny-qwen3", "--lengths", "x"])
+
+
+def test_the_general_recipe_runs_end_to_end_on_the_tiny_lm(tmp_path, tiny_lm):
+    """configs/general.yaml at tiny sizes: a mix of SQuAD and bAbI with three tasks held out, slots
+    pretrained on text, the tuned teacher; the export sends and eval reports the held-out tasks."""
+    from ilcp.evaluation.run import evaluate
+    from ilcp.training import train
+
+    cfg = load_config(REPO / "configs" / "general.yaml", [
+        f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "lm.spec=tiny-qwen3", "data.train_size=26",
+        "data.val_size=13", "data.val_decode_size=4", "compressor.hidden_dim=32", "compressor.latent_dim=8",
+        "reconstruct.steps=2", "reconstruct.val_every_steps=2", "reconstruct.texts_per_source=8",
+        "handoff.max_steps=2", "handoff.val_every_steps=2", "handoff.projector_hidden=32", "handoff.max_new_tokens=3",
+        "trainer.precision=32-true", "trainer.progress=false"])
+    result = train(cfg, lm=tiny_lm)
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["heldout_tasks"] == ["babi:2", "babi:11", "babi:16"]
+    assert config["task"].startswith("mix:squad|babi:1|babi:3|") and "babi:2|" not in config["task"]
+    handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
+    assert isinstance(handoff.encoder, SlotEncoder)
+    results = evaluate(result.run_dir, methods=["ilcp"], limit=2, latency_n=0, lengths=(), lm=tiny_lm,
+                       log=lambda _: None, max_new_tokens=2, batch_size=4)
+    held = {t for t, v in results["tasks"].items() if not v["seen_in_training"]}
+    assert held == {"babi:2", "babi:11", "babi:16"} and "squad" in results["tasks"]
