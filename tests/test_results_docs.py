@@ -180,3 +180,34 @@ def test_the_served_block_renders_the_load_benchmark(tmp_path):
     assert "of 40 requests 10 answered (10 equal to serial) and 30 raised `ServerError`" in block
     assert "refused before any request: corrupt (0 requests" in block  # the answered one is not listed
     assert results_docs.served_block(tmp_path / "none") == "No served-receiver measurements yet."
+
+
+def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figures(tmp_path):
+    assert results_docs.general_block(tmp_path).startswith("No measurements of the general handoff yet")
+    assert results_docs.draw_general(tmp_path) == []
+    folder = tmp_path / "general"
+    folder.mkdir()
+
+    def method(em, f1=None, positions=48):
+        return {"exact_match": em, "exact_match_ci": [em / 2, min(1.0, em * 1.5)], "n": 200, "f1": f1,
+                "f1_ci": None if f1 is None else [f1 - 0.05, f1 + 0.05], "prefill_positions": positions}
+
+    tasks = {"squad": {"seen_in_training": True, "n": 200,
+                       "methods": {"ilcp": method(0.1, 0.3, 60), "cold_read_tuned": method(0.2, 0.4, 220)}},
+             "babi:1": {"seen_in_training": True, "n": 200,
+                        "methods": {"ilcp": method(0.5), "cold_read_tuned": method(0.6)}},
+             "babi:2": {"seen_in_training": False, "n": 200,
+                        "methods": {"ilcp": method(0.2), "cold_read_tuned": method(0.4)}}}
+    (folder / "results.json").write_text(json.dumps({"tasks": tasks, "settings": {}, "run": {}}))
+    drawn = results_docs.draw_general(tmp_path)
+    assert [p.name for p in drawn] == ["general_squad_f1.png", "general_tasks.png"]
+    assert all(p.stat().st_size > 0 for p in drawn)
+    block = results_docs.general_block(tmp_path, "docs/results/")
+    lines = block.splitlines()
+    assert lines[0] == "| task | `ilcp` | `cold_read_tuned` |"
+    assert "| babi:2 (held out) | 20.0 | 40.0 |" in lines
+    assert "| **mean, trained (2)** | 30.0 | 40.0 |" in lines  # (10 + 50) / 2 and (20 + 60) / 2
+    assert "| **mean, held out (1)** | 20.0 | 40.0 |" in lines
+    assert lines.index("| babi:2 (held out) | 20.0 | 40.0 |") > lines.index("| babi:1 | 50.0 | 60.0 |")
+    assert "`ilcp` F1 30.0 [25.0, 35.0] with 60 prefix positions" in block
+    assert "![general_tasks](docs/results/general/general_tasks.png)" in block

@@ -7,17 +7,17 @@ written there is generated from them:
   and plots), ``results.md`` beside every eval results.json and ``sweep.md`` beside every
   sweep.json, and ``docs/results/README.md``, the index (`folders`);
 - the blocks of the repository's README.md between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``
-  (``results``: the results at a glance; ``babilong``; ``served``; ``datasets``), the page
+  (``results``: the results at a glance; ``babilong``; ``served``; ``datasets``; ``general``), the page
   ``docs/results/babilong.md`` and the figures (`blocks`);
 - `report`: the list of every generated file (`generated`), the files that differ from it (`stale`,
   which tests/test_results_docs.py asserts is empty), `write` and the command line.
 """
 
 from .blocks import (GLANCE, babilong_block, babilong_targets, datasets_block, draw_at_a_glance, draw_babilong,
-                     glance_rows, glance_table, served_block)
+                     draw_general, general_block, glance_rows, glance_table, served_block)
 from .folders import RESULTS_DIR, experiment_folders, folder_readme, replace_block
 from .report import generated, main, stale, write
 
 __all__ = ["GLANCE", "RESULTS_DIR", "babilong_block", "babilong_targets", "datasets_block", "draw_at_a_glance",
-           "draw_babilong", "experiment_folders", "folder_readme", "generated", "glance_rows", "glance_table", "main",
+           "draw_babilong", "draw_general", "experiment_folders", "general_block", "folder_readme", "generated", "glance_rows", "glance_table", "main",
            "replace_block", "served_block", "stale", "write"]

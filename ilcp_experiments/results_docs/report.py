@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ilcp.io import atomic_write_text
 
-from .blocks import babilong_block, datasets_block, draw_at_a_glance, draw_babilong, glance_table, served_block
+from .blocks import (babilong_block, datasets_block, draw_at_a_glance, draw_babilong, draw_general, general_block,
+                     glance_table, served_block)
 from .folders import (BABILONG_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
                       index, replace_block)
 
@@ -33,6 +34,8 @@ def generated(root: Path) -> dict[Path, str]:
             text = replace_block(text, "served", served_block(results_dir, prefix))
         if "<!-- datasets:begin -->" in text:
             text = replace_block(text, "datasets", datasets_block(results_dir, prefix))
+        if "<!-- general:begin -->" in text:
+            text = replace_block(text, "general", general_block(results_dir, prefix))
         out[readme] = text
     return out
 
@@ -53,6 +56,7 @@ def write(root: Path, *, figure: bool = True) -> list[Path]:
     if figure:
         draw_at_a_glance(root / RESULTS_DIR)
         draw_babilong(root / RESULTS_DIR)
+        draw_general(root / RESULTS_DIR)
     return changed
 
 
