@@ -49,7 +49,8 @@ class DataConfig:
                              "'babilong:N:LENGTH' (bAbI task N spread through background prose to LENGTH tokens of the "
                              "LM: 0, 0.5k, 1k, 2k, 4k or a number), 'squad' (the shipped SQuAD subset), or a file of "
                              "your own: 'jsonl:PATH', 'csv:PATH', 'parquet:PATH', 'disk:PATH' (datasets' save_to_disk), "
-                             "'jsonl:train=A,test=B' (columns context, question, answer, optional id)")
+                             "'jsonl:train=A,test=B' (columns context, question, answer, optional id), or a mix of any of "
+                             "these 'mix:squad|babi:all' (the same number of rows from each single task)")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
     train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
     val_size: int = _f(256, "validation rows for the teacher-forced loss")
@@ -73,8 +74,9 @@ class DataConfig:
                                          "carved out for validation")
     test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
                                    "out for test (eval's split)")
-    heldout_tasks: list = _f([], "tasks of data.task kept out of every training stage (pretraining texts "
-                                 "included); eval reports them as held out, e.g. [babi:2, babi:3, babi:19]")
+    heldout_tasks: list = _f([], "single tasks of data.task (a mix) kept out of every training stage (pretraining "
+                                 "texts included); the export records them and eval reports them as held out, e.g. "
+                                 "[babi:2, babi:3, babi:19]")
 
     def __post_init__(self):
         from .names import unknown_task  # the standard library only

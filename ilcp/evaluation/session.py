@@ -25,8 +25,8 @@ from ..vllm_engine import require_vllm
 from .decoders import require_engine, start_vllm
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 
-__all__ = ["EvalSession", "open_session", "parse_task", "resolve_tasks", "run_facts_settings", "start_engine",
-           "training_tasks"]
+__all__ = ["EvalSession", "heldout_tasks", "open_session", "parse_task", "resolve_tasks", "run_facts_settings",
+           "start_engine", "trained_tasks", "training_tasks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,11 +60,30 @@ def resolve_tasks(train_task: str, extra: Sequence[str], only_extra: bool = Fals
 
 
 def heldout_tasks(config: dict, ckpt: Path) -> list[str]:
-    """The tasks a run held out of training (config.json ``heldout_tasks``; none in older exports)."""
+    """The single tasks a run held out of training (config.json ``heldout_tasks``, canonical names;
+    none in an export written before the entry existed).
+
+    Raises:
+        ExportError: the entry is not a list of task names (one line naming config.json).
+    """
     names = config.get("heldout_tasks", [])
+    where = ckpt / "config.json"
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ExportError(f"{ckpt / 'config.json'}: heldout_tasks must be a list of task names, got {names!r}")
-    return names
+        raise ExportError(f"{where}: heldout_tasks must be a list of task names, got {names!r}")
+    singles: list[str] = []
+    for name in names:
+        try:
+            parts = resolve_task(name).parts()
+        except ValueError as e:
+            raise ExportError(f"{where}: heldout_tasks: {e}") from None
+        singles += [p.name for p in parts if p.name not in singles]
+    return singles
+
+
+def trained_tasks(config: dict, ckpt: Path) -> set[str]:
+    """The names of the single tasks a run trained on: its task's parts but those it held out (an
+    export whose ``task`` still names a held-out task reports that task as held out)."""
+    return {s.name for s in training_tasks(config["task"])} - set(heldout_tasks(config, ckpt))
 
 
 FACTS_SETTINGS = {"n_facts": "facts_n_facts", "n_distractors": "facts_n_distractors", "seed": "seed"}
@@ -156,7 +175,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     run_config = read_config(ckpt)
     chosen = _resolve_methods(config.methods)
     task_specs = resolve_tasks(run_config["task"], config.tasks, config.only_tasks, heldout_tasks(run_config, ckpt))
-    trained_on = {s.name for s in training_tasks(run_config["task"])}
+    trained_on = trained_tasks(run_config, ckpt)
     facts_settings = (run_facts_settings(run_config, ckpt) if any(spec.needs_facts_settings for spec in task_specs)
                       else None)
     files = run_config.get("files", {})

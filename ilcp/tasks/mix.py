@@ -11,6 +11,7 @@ task of ``data.heldout_tasks``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import datasets
@@ -75,29 +76,48 @@ class MixTask(Task):
 
 def held_out(task: Task, names: Sequence[str]) -> Task:
     """`task` without the parts `names` (each a single task of it): the task a run trains on when
-    ``data.heldout_tasks`` holds them out. A bAbI mix stays a bAbI mix (``babi:1+4+...``).
+    ``data.heldout_tasks`` holds them out. A bAbI or BABILong mix stays one (``babi:1+4+...``);
+    another mix becomes the ``mix:`` of the rest.
 
     Raises:
-        ValueError: a name that is not a single task of `task`, or every part held out (one line).
+        ValueError: a name that is no task, a mix, a task that is not one of `task`'s, or every
+            part held out (one line naming the entry).
     """
     if not names:
         return task
     parts = {p.name: p for p in task.parts()}
-    held = []
+    held: set[str] = set()
     for name in names:
-        single = resolve_task(name)
-        if len(single.parts()) != 1 or single.name not in parts:
+        try:
+            single = resolve_task(name)
+        except ValueError as e:
+            raise ValueError(f"data.heldout_tasks: {e}") from None
+        if len(single.parts()) > 1:
+            raise ValueError(f"data.heldout_tasks: {name!r} is a mix: name its tasks one by one "
+                             f"({', '.join(p.name for p in single.parts())})")
+        if single.name not in parts:
             raise ValueError(f"data.heldout_tasks: {name!r} is not one of the tasks {task.name!r} trains on "
                              f"({', '.join(parts)})")
-        held.append(single.name)
+        held.add(single.name)
     kept = [p for name, p in parts.items() if name not in held]
     if not kept:
         raise ValueError(f"data.heldout_tasks holds out every task of {task.name!r}: nothing is left to train on")
     if len(kept) == 1:
         return kept[0]
-    if all(name.startswith("babi:") and name[5:].isdigit() for name in (p.name for p in kept)):
-        return resolve_task("babi:" + "+".join(p.name[5:] for p in kept))
-    return MixTask(kept)
+    same_source = _same_source_mix([p.name for p in kept])
+    return resolve_task(same_source) if same_source else MixTask(kept)
+
+
+def _same_source_mix(names: list[str]) -> str | None:
+    """The name of the bAbI mix (``babi:1+4``) or BABILong mix (``babilong:1+8:0.5k``) of these single
+    tasks, which balances them as that source does; None when they are no such set."""
+    babi = [re.fullmatch(r"babi:(\d+)", name) for name in names]
+    if all(babi):
+        return "babi:" + "+".join(m.group(1) for m in babi)
+    babilong = [re.fullmatch(r"babilong:(\d+):(.+)", name) for name in names]
+    if all(babilong) and len({m.group(2) for m in babilong}) == 1:
+        return f"babilong:{'+'.join(m.group(1) for m in babilong)}:{babilong[0].group(2)}"
+    return None
 
 
 @register_task("mix")
