@@ -1,6 +1,8 @@
 """Distillation from the text reader: with handoff.distill_teacher=cold_read_tuned the teacher is
 the frozen LM reading the text behind this run's cold_read_tuned vectors, trained first."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from ilcp.config import load_config
 from ilcp.training.handoff_stage import HandoffModule
 from ilcp.training.pipeline import training_order
 
-from conftest import TINY_CONFIG
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 TUNED = ["handoff.variants=[ilcp,cold_read_tuned]", "handoff.distill_weight=1", "handoff.distill_teacher=cold_read_tuned"]
 

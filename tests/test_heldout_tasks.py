@@ -14,7 +14,7 @@ from ilcp import cli
 from ilcp.config import load_config
 from ilcp.tasks import MixTask, held_out, load_task, resolve_task
 
-from conftest import TINY_CONFIG
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 from test_bad_inputs import cli_error, listing
 
 LEGACY = Path(__file__).resolve().parent / "data" / "exports" / "legacy-num-queries"
@@ -240,3 +240,25 @@ def test_pretraining_texts_may_not_read_a_held_out_task(tmp_path, tiny_lm):
     with pytest.raises(ValueError, match="reconstruct.texts: 'babi:2' holds babi:2"):
         train(cfg, lm=tiny_lm)
     assert not (tmp_path / "tiny" / "config.json").exists()
+
+
+def test_a_babilong_text_of_a_held_out_babi_task_is_refused_too(tmp_path, tiny_lm):
+    """babilong:2:0.5k is built from babi:2's stories: pretraining on it would leak the held-out task."""
+    from ilcp.training import train
+
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", "data.task=babi:1+2", "data.heldout_tasks=[babi:2]",
+                                    "compressor.pooling=slots", "compressor.answer_head_weight=0",
+                                    "reconstruct.steps=2", "reconstruct.texts=[task,babilong:1+2:0.5k]"])
+    with pytest.raises(ValueError, match="reconstruct.texts: 'babilong:1\\+2:0.5k' holds babi:2"):
+        train(cfg, lm=tiny_lm)
+
+
+def test_results_json_records_the_held_out_tasks(runs, tiny_lm):
+    from ilcp.evaluation.run import evaluate
+
+    def run_entry(run_dir):
+        return evaluate(run_dir, methods=["no_context"], limit=1, latency_n=0, lengths=(), lm=tiny_lm,
+                        log=lambda _: None, max_new_tokens=2, batch_size=4)["run"]
+
+    assert run_entry(runs.held.run_dir)["heldout_tasks"] == ["babi:2"]
+    assert "heldout_tasks" not in run_entry(runs.every.run_dir)  # a run that held nothing out: as before

@@ -4,6 +4,7 @@ the context; a trained run sends, crosses the wire and receives as in process; a
 its forward's cache pays only the slots; bad settings are refused in one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,17 @@ from ilcp.config import load_config
 from ilcp.encoder_config import EncoderSpec, ExportError
 from ilcp.handoff import ILCPHandoff
 from ilcp.memory_kinds import memory_kind_for
-from ilcp.memory_slots import SlotEncoder, SlotMemory, SlotTokens, slot_counts, slot_states
+from ilcp.memory_slots import (
+    SlotEncoder,
+    SlotMemory,
+    SlotTokens,
+    slot_counts,
+    slot_states,
+)
 from ilcp.pooling import pad_id_of, pad_right
 from ilcp.projector import GatedLatentToMemoryProjector
 
-from conftest import TINY_CONFIG
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 REPO = TINY_CONFIG.parent.parent
 

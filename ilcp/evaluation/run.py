@@ -58,7 +58,7 @@ from .batching import accuracy, accuracy_shared
 from .rclc_methods import sender_states
 from .report import write_report
 from .resume import part_key, part_path, read_part, write_part
-from .session import EvalSession, open_session, parse_task, run_facts_settings, training_tasks
+from .session import EvalSession, heldout_tasks, open_session, parse_task, run_facts_settings, training_tasks
 from .side_sweeps import context_length_sweep, engine_agreement, facts_count_sweep, throughput_table
 from .timing import latency
 
@@ -118,6 +118,7 @@ def evaluate(
         "run": {"path": str(session.ckpt), "lm_spec": session.run_config["lm"]["spec"],
                 "fingerprint": lm.fingerprint,
                 "train_task": "+".join(s.name for s in training_tasks(session.run_config["task"])),
+                **({"heldout_tasks": held} if (held := heldout_tasks(session.run_config, session.ckpt)) else {}),
                 "latent_dim": session.handoff.spec.latent_dim if session.handoff is not None else None,
                 "num_memory_tokens": session.run_config.get("num_memory_tokens")},
         "settings": {"limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,

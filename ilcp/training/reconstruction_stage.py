@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from .. import export, prompts
-from ..babilong import background_sentences
+from ..babilong import background_sentences, is_babilong_name, parse_babilong_name
 from ..tasks import resolve_task
 from ..prefix import receiver_prefix
 from ..config import TrainConfig
@@ -90,14 +90,22 @@ def check_pretraining_texts(cfg: TrainConfig) -> None:
     """Refuse (one line) a ``reconstruct.texts`` task that holds a task ``data.heldout_tasks`` keeps out."""
     if not cfg.reconstruct.enabled or not cfg.data.heldout_tasks:
         return
-    held = {resolve_task(name).name for name in cfg.data.heldout_tasks}
+    held = {_stories_of(resolve_task(name).name): resolve_task(name).name for name in cfg.data.heldout_tasks}
     for name in cfg.reconstruct.texts:
         if name in ("task", "prose"):
             continue
-        leaked = sorted(held & {p.name for p in resolve_task(name).parts()})
+        leaked = sorted(held[key] for key in {_stories_of(p.name) for p in resolve_task(name).parts()} if key in held)
         if leaked:
             raise ValueError(f"reconstruct.texts: {name!r} holds {', '.join(leaked)}, which data.heldout_tasks keeps "
                              "out of every stage")
+
+
+def _stories_of(name: str) -> str:
+    """What a single task's contexts are built from: a BABILong task's bAbI task (``babilong:2:1k``
+    holds the stories of ``babi:2``), any other task itself."""
+    if is_babilong_name(name):
+        return f"babi:{parse_babilong_name(name).number}"
+    return name
 
 
 def prose_passages(tokenizer, split: str, tokens: int) -> list[str]:
