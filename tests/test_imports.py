@@ -104,14 +104,22 @@ def test_rclc_imports_only_the_modules_it_may():
     assert "ilcp.names" in import_graph()["ilcp.rclc.selectors"]
 
 
-def test_the_runtime_handoff_does_not_load_lightning():
-    """`ilcp.handoff`, `ilcp.transport` and `ilcp.engines.served` run without the training stack:
-    Lightning is loaded by `ilcp.training` alone (its extraction loop and stages)."""
+def probe_json(code: str):
+    """Run `code` in a fresh interpreter from the repository root; the JSON of its last printed line."""
     import json
     import subprocess
     import sys
 
-    probe = (
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_runtime_handoff_does_not_load_lightning():
+    """`ilcp.handoff`, `ilcp.transport` and `ilcp.engines.served` run without the training stack:
+    Lightning is loaded by `ilcp.training` alone (its extraction loop and stages)."""
+    loaded = probe_json(
         "import json, sys\n"
         "def lightning():\n"
         "    return sorted(m for m in sys.modules if m in ('lightning', 'pytorch_lightning')\n"
@@ -121,10 +129,6 @@ def test_the_runtime_handoff_does_not_load_lightning():
         "import ilcp.training.extraction\n"
         "print(json.dumps({'runtime': runtime, 'training': lightning()[:1]}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                          cwd=PACKAGE.parent)
-    assert done.returncode == 0, done.stderr[-2000:]
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded["runtime"] == [], f"the runtime imports load {loaded['runtime'][:5]}"
     assert loaded["training"] == ["lightning"]  # the probe sees Lightning where it is loaded
 
@@ -132,10 +136,6 @@ def test_the_runtime_handoff_does_not_load_lightning():
 def test_the_runtime_package_does_not_import_the_experiment_drivers():
     """ilcp_experiments (the sweep, the results docs) sits beside the package, outside the wheel:
     no module under ilcp/ names it, and importing the package and its command lines loads none of it."""
-    import json
-    import subprocess
-    import sys
-
     def imported(path: Path) -> set[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         return ({a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -144,12 +144,8 @@ def test_the_runtime_package_does_not_import_the_experiment_drivers():
     named = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
                    if any(m.split(".")[0] == "ilcp_experiments" for m in imported(path)))
     assert named == []
-    probe = (
+    assert probe_json(
         "import json, sys\n"
         "import ilcp, ilcp.handoff, ilcp.cli, ilcp.evaluation, ilcp.evaluation.run, ilcp.evaluation.report\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'ilcp_experiments')))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                          cwd=PACKAGE.parent)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    ) == []

@@ -233,8 +233,9 @@ class ReconstructionModule(HandoffModule):
         continued with its second; any other is said back whole."""
         contexts, targets, prompt_ids = [], [], []
         for context in batch["context"]:
-            ids = self.context_token_ids([context])[0]
-            if reads_as_continuation(context, self.continuation) and len(ids) >= 4:
+            # tokenised only for a text read as a continuation: the others are said back whole
+            ids = self.context_token_ids([context])[0] if reads_as_continuation(context, self.continuation) else []
+            if len(ids) >= 4:
                 cut = len(ids) // 2
                 contexts.append(self.tokenizer.decode(ids[:cut]))
                 targets.append(self.target_ids(self.tokenizer.decode(ids[cut:])))
