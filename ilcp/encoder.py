@@ -77,6 +77,9 @@ class ILCPEncoder(nn.Module):
         self.format_prompt: FormatPrompt | None = format_prompt  # learned vectors before the whole prompt
         self.configure_receiver(placement, vocabulary_snap, snap_temperature, snap_metric)
         self._vocabulary: tuple[Tensor, Tensor] | None = None  # (the LM's embedding rows, 1 / their norms)
+        # the largest |z| a receiver accepts, set at export from the latents training saw
+        # (`ilcp.training.data.latent_bound`); None: no bound (exports written before it)
+        self.latent_bound: float | None = None
 
     # -------------------------------------------------------------------------- description
 

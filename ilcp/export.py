@@ -15,6 +15,13 @@ This module is the only place that names state-dict keys: `encoder_state` / `loa
 for an `ILCPEncoder`, `soft_prompt_state` / `load_soft_prompt` for a `ConstantMemory`, and
 `trained_state` / `load_trained_state` for either (training's stage files use them too).
 
+``compressor.latent_bound``, a float32 scalar in model.safetensors (so under its digest, and
+with a key under the signature), is the largest |z| a receiver of the export accepts
+(`ILCPEncoder.latent_bound`; `ILCPHandoff.parse` refuses a value beyond it): training records 4x
+the largest |z| its encoder gives over the validation and training rows
+(`ilcp.training.data.latent_bound`). An export written before it has none: its receivers bound
+no latent value, and still refuse memory that projects to NaN or infinity.
+
 The encoder's entries of config.json (sizes, pooling, placement, snap) are one typed dataclass,
 `ilcp.encoder_config.EncoderSpec`, which writes, checks and rebuilds them; the rest (LM, files,
 digests, format version) is the run's and is checked here.
@@ -65,6 +72,7 @@ SIGNATURE = "signature"  # config.json's HMAC entry (`sign_config`)
 # the state-dict prefixes of the exported files
 _PARTS = {"compressor": "vae", "projector": "projector", "pooler": "pooler", "format": "format_prompt"}
 _SOFT_PROMPT = "soft_prompt"
+_LATENT_BOUND = "compressor.latent_bound"  # `ILCPEncoder.latent_bound`, a float32 scalar (not a VAE tensor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,19 +80,29 @@ _SOFT_PROMPT = "soft_prompt"
 
 
 def encoder_state(encoder: ILCPEncoder) -> dict[str, Tensor]:
-    """The encoder's tensors with export names: compressor.*, projector.* (when built), pooler.*
-    (attention pooling), detached on the CPU."""
+    """The encoder's tensors with export names: compressor.* (with compressor.latent_bound when the
+    encoder has a bound), projector.* (when built), pooler.* (attention pooling), detached on the CPU."""
     state = {}
     for prefix, attr in _PARTS.items():
         part = getattr(encoder, attr)
         if part is not None:
             state.update({f"{prefix}.{k}": v.detach().cpu() for k, v in part.state_dict().items()})
+    if encoder.latent_bound is not None:
+        state[_LATENT_BOUND] = torch.tensor(float(encoder.latent_bound), dtype=torch.float32)
     return state
 
 
 def load_encoder_state(encoder: ILCPEncoder, state: dict[str, Tensor], *, source: str = "the weights") -> None:
     """Load `encoder_state` tensors into `encoder` (parts it has; a projector-less state leaves its
-    projector as it is). Raises ExportError when a part the encoder has is missing or does not fit."""
+    projector as it is; a state without compressor.latent_bound leaves the encoder's bound as it is).
+    Raises ExportError when a part the encoder has is missing or does not fit."""
+    state = dict(state)
+    bound = state.pop(_LATENT_BOUND, None)  # an export written before the bound has none
+    if bound is not None and (bound.dtype != torch.float32 or bound.dim() != 0 or not bool(torch.isfinite(bound))
+                              or float(bound) <= 0):
+        what = f"{float(bound):g}" if bound.numel() == 1 else f"shape {tuple(bound.shape)}"
+        raise ExportError(f"{source}: {_LATENT_BOUND} must be one finite float32 > 0, got {what} "
+                          f"({str(bound.dtype).removeprefix('torch.')})")
     for prefix, attr in _PARTS.items():
         part = getattr(encoder, attr)
         tensors = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
@@ -102,6 +120,8 @@ def load_encoder_state(encoder: ILCPEncoder, state: dict[str, Tensor], *, source
     if unread:
         raise ExportError(f"{source}: unexpected tensors {unread[:4]} (this package reads only "
                           f"{', '.join(p + '.*' for p in _PARTS)})")
+    if bound is not None:
+        encoder.latent_bound = float(bound)
     if "compressor.input_std" in state:
         if not bool((state["compressor.input_std"] > 0).all()):
             raise ExportError(f"{source}: compressor.input_std must be > 0 everywhere")

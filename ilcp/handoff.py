@@ -20,6 +20,12 @@ ran the LM over the context hands its outputs to `send_from_hidden_states` inste
 forward. `receive` verifies the payload (bytes or object) against its own LM fingerprint,
 projects z to K memory vectors and greedy-decodes ``[memory ; question prompt]``.
 
+What a receiver reads (`parse`, and every entry point that turns a payload into memory): at most
+``max_payload_latents`` latents per question, or in all without a question count (default: the
+latents one context gives), checked from the header before anything is read or projected;
+latent values within the export's ``latent_bound`` (`ilcp.export`); memory vectors that are
+finite after projection. Each refusal is one `PayloadError` line.
+
 `save_pretrained` writes the ILCP modules in the export format of `ilcp.export` (config.json +
 model.safetensors, never the frozen LM); `from_pretrained` reads any run directory and refuses an
 LM whose fingerprint differs from the one the run was trained on (`ExportError`).
@@ -28,6 +34,7 @@ LM whose fingerprint differs from the one the run was trained on (`ExportError`)
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -90,11 +97,17 @@ class ILCPHandoff:
         replay_window: with a key, seconds the receiver remembers the nonces it accepted;
             default ``max_age`` (`ilcp.transport.ReplayGuard`, at most 65,536 nonces).
         precision: compute precision (`ilcp.precision`); default the config's ``lm.precision``.
+        max_payload_latents: the most latents a payload may carry per question it is read with
+            (`receive`, `prefixes`, the served and vLLM receivers), or in all when it is read
+            without a question count (`parse`, `memory_vectors`, `reconstruct` without
+            ``contexts``); default `max_chunks`, the latents one context of ``max_length`` tokens
+            gives (1 for one latent per context). Checked from the payload's header, before
+            anything proportional to it is read or projected.
 
     Raises:
         ExportError: the config was made for another LM, its encoder settings do not read, or the
             encoder does not fit them.
-        ValueError: an unknown payload dtype.
+        ValueError: an unknown payload dtype; a max_payload_latents that is not a positive int.
 
     Prefer `from_pretrained`; the constructor is for modules already in memory.
     """
@@ -111,6 +124,7 @@ class ILCPHandoff:
         precision: str | None = None,
         max_age: float | None = 300.0,
         replay_window: float | None = None,
+        max_payload_latents: int | None = None,
     ):
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
@@ -147,6 +161,8 @@ class ILCPHandoff:
         self.config = copy.deepcopy(config)
         self.device = torch.device(device) if device is not None else lm.device
         self.encoder = encoder.to(self.device).float().eval()
+        self.max_payload_latents = (self.max_chunks if max_payload_latents is None
+                                    else positive_int("max_payload_latents", max_payload_latents))
         self.encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)  # used when the encoder snaps
         recorded = str(config.get("lm", {}).get("precision", "32-true"))
         self.precision = resolve(recorded if precision is None else precision, self.device)
@@ -169,6 +185,7 @@ class ILCPHandoff:
         max_age: float | None = 300.0,
         replay_window: float | None = None,
         export_key: bytes | None = None,
+        max_payload_latents: int | None = None,
     ) -> ILCPHandoff:
         """Load the ILCP modules of a run directory (see `ilcp.export`) for an LM.
 
@@ -180,7 +197,7 @@ class ILCPHandoff:
             device: where the modules run (and where a loaded LM is placed); default the LM's.
             payload_dtype: dtype of z on the wire.
             cache_dir: `load_lm`'s cache, when the LM is loaded here.
-            auth_key, max_age, replay_window: see the class.
+            auth_key, max_age, replay_window, max_payload_latents: see the class.
             export_key: the key the export was signed with (`ilcp.export.sign_export`): its
                 config.json must carry a signature that verifies under it (`read_export`).
             precision: compute precision of the sender's forward, the encoder and the receiver's
@@ -213,18 +230,20 @@ class ILCPHandoff:
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
         return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
-                               precision=precision, max_age=max_age, replay_window=replay_window)
+                               precision=precision, max_age=max_age, replay_window=replay_window,
+                               max_payload_latents=max_payload_latents)
 
     @classmethod
     def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,
                     payload_dtype: str | torch.dtype = "float32", auth_key: bytes | None = None,
                     precision: str | None = None, max_age: float | None = 300.0,
-                    replay_window: float | None = None) -> ILCPHandoff:
+                    replay_window: float | None = None, max_payload_latents: int | None = None) -> ILCPHandoff:
         """The handoff of an export already read (`ilcp.export.read_export`) for an LM bundle."""
         if run.encoder is None:
             raise ExportError(f"{str(run.path)!r} holds no ILCP weights; train with 'ilcp' among handoff.variants")
         handoff = cls(lm, run.encoder, run.config, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
-                      precision=precision, max_age=max_age, replay_window=replay_window)
+                      precision=precision, max_age=max_age, replay_window=replay_window,
+                      max_payload_latents=max_payload_latents)
         handoff.source = run.path
         return handoff
 
@@ -459,17 +478,21 @@ class ILCPHandoff:
     def parse(self, payload: TransportPayload | bytes | bytearray | memoryview, *,
               contexts: int | None = None) -> TransportPayload:
         """Verify a payload (bytes or object) against this receiver's LM and export: its shape
-        is checked from the header, before anything proportional to it is read.
+        and latent count are checked from the header, before anything proportional to it is
+        read, then its values against the export's ``latent_bound``.
 
         Args:
             contexts: the number of contexts the caller will read (its questions): a payload
-                that holds another number is refused. None: any number within `DEFAULT_MAX_ELEMENTS`.
+                that holds another number is refused. None: a payload of at most
+                ``max_payload_latents`` latents in all.
 
         Raises:
             PayloadError: invalid bytes, a payload made by another LM, a latent shape this export
                 does not read (more chunks than a context of ``max_length`` tokens gives, or
-                another number of contexts than ``contexts``), or, for a receiver with a key,
-                unsealed bytes or objects, a replay, or a payload older than ``max_age``.
+                another number of contexts than ``contexts``), more latents than
+                ``max_payload_latents`` allows, a latent value beyond the export's bound, or, for
+                a receiver with a key, unsealed bytes or objects, a replay, or a payload older
+                than ``max_age``.
         """
         check = self._shape_check(contexts)
         if isinstance(payload, TransportPayload):
@@ -481,10 +504,23 @@ class ILCPHandoff:
                     f"payload was made by LM {payload.lm_fingerprint}, this receiver runs {self.fingerprint}"
                 )
             check(tuple(payload.latent.shape))
-            return payload
-        return TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint, key=self.auth_key,
-                                           guard=self.replay_guard, max_elements=self._max_elements(contexts),
-                                           check_shape=check)
+        else:
+            payload = TransportPayload.from_bytes(payload, expected_fingerprint=self.fingerprint, key=self.auth_key,
+                                                  guard=self.replay_guard, max_elements=self._max_elements(contexts),
+                                                  check_shape=check)
+        self._check_values(payload)
+        return payload
+
+    def _check_values(self, payload: TransportPayload) -> None:
+        """Refuse latent values beyond the export's ``latent_bound`` (none for an export without one)."""
+        bound = self.encoder.latent_bound
+        if bound is None:
+            return
+        peak = float(unpack(payload, payload.latent.device, dtype=torch.float32).abs().max())
+        if peak > bound:
+            raise PayloadError(f"payload has a latent value of magnitude {peak:.4g}, beyond this export's latent_bound "
+                               f"of {bound:.4g} (recorded at export from the latents its encoder gave in training): no "
+                               "sender of this export makes it")
 
     @property
     def max_chunks(self) -> int:
@@ -504,7 +540,8 @@ class ILCPHandoff:
 
     def _shape_check(self, contexts: int | None) -> Callable[[tuple[int, ...]], None]:
         """The latent shapes this receiver reads: (Z,) or (B, Z), or per chunk (N, Z) or (B, N, Z)
-        with N <= `max_chunks`; B equal to ``contexts`` when given."""
+        with N <= `max_chunks`; B equal to ``contexts`` when given; at most ``max_payload_latents``
+        latents per context given (in all without ``contexts``)."""
         per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
 
         def check(shape: tuple[int, ...]) -> None:
@@ -519,8 +556,24 @@ class ILCPHandoff:
             held = shape[0] if len(shape) == per_context + 1 else 1
             if contexts is not None and held != contexts:
                 raise PayloadError(f"payload holds {held} latent(s) but {contexts} question(s) were given")
+            count = math.prod(shape[:-1])
+            questions = max(1, contexts or 1)
+            if count > self.max_payload_latents * questions:
+                raise PayloadError(self._over_limit(count, contexts))
 
         return check
+
+    def _over_limit(self, count: int, contexts: int | None) -> str:
+        """The refusal of a payload of `count` latents, over ``max_payload_latents``."""
+        limit = self.max_payload_latents
+        if contexts is None:
+            return (f"payload carries {count} latents; without a question count this receiver reads at most "
+                    f"{limit} (max_payload_latents={limit}): pass contexts= the number of contexts it holds, or "
+                    f"raise the limit with ILCPHandoff.from_pretrained(..., max_payload_latents={count})")
+        needed = -(-count // max(1, contexts))
+        return (f"payload carries {count} latents for {contexts} question(s); this receiver reads at most {limit} "
+                f"per question (max_payload_latents={limit}): raise the limit with "
+                f"ILCPHandoff.from_pretrained(..., max_payload_latents={needed})")
 
     def to_wire(self, payload: TransportPayload) -> bytes:
         """A payload's bytes for the wire: sealed with this handoff's key when it has one."""
@@ -534,8 +587,9 @@ class ILCPHandoff:
         The payload's shape is checked (`parse`, with ``contexts``) before anything is projected.
 
         Raises:
-            PayloadError: invalid or foreign bytes, or a latent whose shape this export does not
-                read: (Z,) or (B, Z) for one latent per context, (N, Z) or (B, N, Z) per chunk.
+            PayloadError: what `parse` refuses (invalid or foreign bytes, a latent whose shape this
+                export does not read, more latents than ``max_payload_latents``, a value beyond
+                the export's bound), or latents that project to NaN or infinite memory vectors.
         """
         z = unpack(self.parse(payload, contexts=contexts), self.device, dtype=torch.float32)
         per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
@@ -543,6 +597,10 @@ class ILCPHandoff:
             z = z.unsqueeze(0)
         with torch.no_grad(), self.compute():
             memory = self.encoder.memory(z, dtype=self.lm.dtype)
+        if not bool(torch.isfinite(memory).all()):
+            raise PayloadError(f"payload's latents project to non-finite memory vectors (NaN or infinity in "
+                               f"{str(self.lm.dtype).removeprefix('torch.')}): they lie outside what this export's "
+                               "projector reads")
         return memory.to(self.lm.device)
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
@@ -626,15 +684,19 @@ class ILCPHandoff:
         return answers[0] if single else answers
 
     def reconstruct(self, payload: TransportPayload | bytes, max_new_tokens: int = 64, *,
-                    batch_size: int = 8) -> list[str]:
+                    batch_size: int = 8, contexts: int | None = None) -> list[str]:
         """What the receiver says the handed-over contexts were: greedy decoding of
         ``[memory ; reconstruction instruction]``, one string per context of the payload.
 
         Meaningful for runs trained with a reconstruction stage (``reconstruct.steps > 0``); it
-        shows what the latent carries, word for word.
+        shows what the latent carries, word for word. ``contexts``: the number of contexts the
+        payload holds, as for `memory_vectors` (None: at most ``max_payload_latents`` latents).
+
+        Raises:
+            PayloadError: what `memory_vectors` refuses, before anything is decoded.
         """
         positive_int("max_new_tokens", max_new_tokens)
-        memory = self.memory_vectors(payload)
+        memory = self.memory_vectors(payload, contexts=contexts)
         tok = self.lm.tokenizer
         instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
         prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(self.lm.model)

@@ -92,13 +92,13 @@ def test_two_receivers_of_one_payload_do_not_alias(handoff, run_dir, tiny_lm):
     other = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
     payload = handoff.send(CONTEXTS)
     before = payload.latent.clone()
-    first, second = handoff.memory_vectors(payload), other.memory_vectors(payload)
+    first, second = handoff.memory_vectors(payload, contexts=2), other.memory_vectors(payload, contexts=2)
     assert first.shape == (2, handoff.num_memory_tokens, tiny_lm.hidden_size)
     assert first.data_ptr() != second.data_ptr()
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     first.add_(1.0)  # one receiver edits its memory in place
     assert torch.equal(payload.latent, before)
-    torch.testing.assert_close(other.memory_vectors(payload), second, rtol=0, atol=0)
+    torch.testing.assert_close(other.memory_vectors(payload, contexts=2), second, rtol=0, atol=0)
     assert handoff.receive(payload, QUESTIONS, max_new_tokens=3) == other.receive(payload, QUESTIONS, max_new_tokens=3)
 
 
@@ -155,7 +155,7 @@ def test_save_pretrained_round_trip_writes_only_the_trained_modules(handoff, tin
 
     again = ILCPHandoff.from_pretrained(out, lm=tiny_lm)
     payload = handoff.send(CONTEXTS)
-    assert torch.equal(again.memory_vectors(payload), handoff.memory_vectors(payload))
+    assert torch.equal(again.memory_vectors(payload, contexts=2), handoff.memory_vectors(payload, contexts=2))
     assert torch.equal(again.send(CONTEXTS).latent, payload.latent)
     assert read_export(out).soft_prompts == {}
 
@@ -201,7 +201,7 @@ def test_int8_payload_carries_a_scale_and_answers_like_float32(handoff):
     assert payload.dtype == "int8" and small.tensor_bytes == handoff.latent_dim + 4
     assert payload.byte_length() == 2 * small.tensor_bytes and small.wire_bytes < handoff.wire_bytes
     exact = handoff.send(CONTEXTS).latent
-    received = small.parse(payload.to_bytes())
+    received = small.parse(payload.to_bytes(), contexts=2)
     from ilcp.transport import unpack
 
     step = exact.abs().amax(-1, keepdim=True) / 127

@@ -116,7 +116,7 @@ def test_reconstruction_without_ilcp_is_a_config_error():
 def test_a_handoff_says_back_what_its_latent_carries(reconstruct_run, tiny_lm):
     _, result = reconstruct_run
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
-    said = handoff.reconstruct(handoff.send(CONTEXTS[:2]), max_new_tokens=3)
+    said = handoff.reconstruct(handoff.send(CONTEXTS[:2]), max_new_tokens=3, contexts=2)
     assert len(said) == 2 and all(isinstance(s, str) for s in said)
 
 

@@ -12,14 +12,14 @@ tokenizer, never its transformer layers, and decodes over HTTP.
     decoder = receiver.decoder                           # or ServedDecoder.connect(url, model_dir)
     decoder.answer(agent.pop())                          # an RCLC receiver's rows, HF or vLLM backend
 
-What runs where. The receiving agent parses the payload (CRC, LM fingerprint, shape, and with an
-``auth_key`` the HMAC seal, the nonce and the age: the payload stays sealed until this process
-opens it), projects z to the K memory vectors with the run's projector and builds the prefix
-rows with `ilcp.prefix.receiver_prefix` from the embedding table. The server gets those rows as
-``prompt_embeds`` on its completions endpoint and decodes greedily; the client cuts the returned
-token ids with `ilcp.decoding.cut_answer` (the stop rule of the HF decoder and of
-`ilcp.engines.vllm.VLLMDecoder`) and decodes them with its tokenizer. In float32 the answers
-equal the in-process receivers'.
+What runs where. The receiving agent parses the payload (CRC, LM fingerprint, shape, latent count
+and values as `ILCPHandoff.parse` does, and with an ``auth_key`` the HMAC seal, the nonce and the
+age: the payload stays sealed until this process opens it), projects z to the K memory vectors
+with the run's projector and builds the prefix rows with `ilcp.prefix.receiver_prefix` from the
+embedding table. The server gets those rows as ``prompt_embeds`` on its completions endpoint and
+decodes greedily; the client cuts the returned token ids with `ilcp.decoding.cut_answer` (the
+stop rule of the HF decoder and of `ilcp.engines.vllm.VLLMDecoder`) and decodes them with its
+tokenizer. In float32 the answers equal the in-process receivers'.
 
 The embedding table is read from the model directory's safetensors files: that one tensor, found
 by name through the model's class built on the meta device (no weights of other layers are read).
@@ -475,6 +475,7 @@ class ServedReceiver:
         replay_window: float | None = None,
         payload_dtype: str | torch.dtype = "float32",
         export_key: bytes | None = None,
+        max_payload_latents: int | None = None,
     ) -> ServedReceiver:
         """The receiver of a run's export against a server, with the LM's embedding table only.
 
@@ -484,7 +485,7 @@ class ServedReceiver:
             model_dir: where the LM's tokenizer and embedding table are read; default the run's
                 LM spec (`resolve_model_dir`).
             timeout: seconds each request may wait for its answer.
-            auth_key, max_age, replay_window, payload_dtype, export_key: as
+            auth_key, max_age, replay_window, payload_dtype, export_key, max_payload_latents: as
                 `ILCPHandoff.from_pretrained`.
 
         Raises:
@@ -503,7 +504,8 @@ class ServedReceiver:
         # cannot recompute it, since it covers every weight.
         lm.fingerprint = fingerprint
         handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype, auth_key=auth_key,
-                                          max_age=max_age, replay_window=replay_window)
+                                          max_age=max_age, replay_window=replay_window,
+                                          max_payload_latents=max_payload_latents)
         return cls(handoff, decoder)
 
     @staticmethod

@@ -358,7 +358,9 @@ class VLLMReceiver:
         one answer per latent of the payload, in order.
 
         Raises:
-            PayloadError: invalid or foreign payload.
+            PayloadError: invalid or foreign payload, or one `ILCPHandoff.parse` refuses (more
+                latents than its ``max_payload_latents``, a value beyond the export's bound), before
+                anything is projected or decoded.
             ValueError: the number of questions does not match the payload's batch.
         """
         single, questions = self._questions(question)

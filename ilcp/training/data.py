@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..config import TrainConfig
+from ..encoder import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
 from ..babilong import story_token_mask
@@ -124,6 +125,43 @@ def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens:
         states, mask = pad_token_states([rows.states[i] for i in range(start, min(start + batch_size, len(rows)))])
         out.append(pool_units(pooler, chunk_tokens, states, mask))
     return torch.cat(out)
+
+
+# An export's latent bound: LATENT_BOUND_FACTOR x the largest |z| over the first LATENT_BOUND_ROWS
+# rows of the validation split, then the training split
+LATENT_BOUND_FACTOR = 4.0
+LATENT_BOUND_ROWS = 512
+
+
+@torch.no_grad()
+def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size: int) -> float | None:
+    """The largest |z| a receiver of this encoder accepts (`ILCPEncoder.latent_bound`):
+    `LATENT_BOUND_FACTOR` x the largest |z| the trained encoder gives over the first
+    `LATENT_BOUND_ROWS` rows of `splits`, in order (every real chunk or slot of a row). None when
+    those rows give no latent above 0."""
+    peak, left = 0.0, LATENT_BOUND_ROWS
+    device = next(encoder.parameters()).device
+    training = encoder.training
+    encoder.eval()
+    try:
+        for split in splits:
+            n = min(len(split), left)
+            left -= n
+            for start in range(0, n, batch_size):
+                batch = collate_rows([split[i] for i in range(start, min(start + batch_size, n))])
+                if encoder.reads_sender_lm:  # memory slots: a forward of the sender LM over the contexts
+                    states, mask = encoder.sender_states(batch["context"])
+                else:
+                    states, mask = sender_states_of(batch)
+                mask = None if mask is None else mask.to(device)
+                z = encoder.latent(states.to(device), mask)
+                if encoder.chunked:
+                    z = z[encoder.latent_mask(mask)]
+                if z.numel():
+                    peak = max(peak, float(z.abs().max()))
+    finally:
+        encoder.train(training)
+    return LATENT_BOUND_FACTOR * peak if 0 < peak < float("inf") else None
 
 
 class GlobalBatchShards(Sampler):

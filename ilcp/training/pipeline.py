@@ -35,7 +35,7 @@ from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from .compressor_stage import train_compressor
-from .data import HandoffDataModule, prepare_data, sender_max_length, training_task
+from .data import HandoffDataModule, latent_bound, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
 from .reconstruction_stage import check_pretraining_texts, train_reconstruction
@@ -248,6 +248,11 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         "stage_seconds": clock.seconds, "total_seconds": clock.total,
     }
     if is_main():
+        if "ilcp" in sources:  # what its receivers accept: 4x the largest |z| of these rows
+            encoder = sources["ilcp"]
+            encoder.latent_bound = latent_bound(encoder, [val_rows, train_rows], cfg.data.pool_batch_size)
+            say(f"latent bound {encoder.latent_bound:.4g}: a receiver refuses a latent value beyond it"
+                if encoder.latent_bound is not None else "no latent bound: every latent of these rows is 0")
         export.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)
         clock.done("export")
         metrics["total_seconds"] = clock.total
