@@ -23,14 +23,21 @@ def check_key(key) -> bytes:
 CHARS_PER_TOKEN = 32
 
 
+def text_length(name: str, characters: int, max_tokens: int | None) -> None:
+    """ValueError naming `name` when ``characters`` exceed what ``max_tokens`` tokens can hold
+    (``max_tokens x CHARS_PER_TOKEN``); nothing when ``max_tokens`` is None. The one wording of
+    this bound, for a text (`text_input`) or the texts of chat messages together."""
+    if max_tokens is not None and characters > max_tokens * CHARS_PER_TOKEN:
+        raise ValueError(f"{name} has {characters:,} characters, more than {max_tokens} tokens can hold (at most "
+                         f"{max_tokens * CHARS_PER_TOKEN:,}: {max_tokens} tokens x {CHARS_PER_TOKEN} characters): "
+                         f"shorten it")
+
+
 def text_input(name: str, text: str, max_tokens: int | None = None) -> str:
     """A string that a tokenizer can take: valid Unicode (no lone surrogate such as ``"\\ud800"``),
     and, when ``max_tokens`` is given, at most ``max_tokens x CHARS_PER_TOKEN`` characters (checked
     before any tokenising, so an overlong text is refused at once). ValueError naming `name`."""
-    if max_tokens is not None and len(text) > max_tokens * CHARS_PER_TOKEN:
-        raise ValueError(f"{name} has {len(text):,} characters, more than {max_tokens} tokens can hold (at most "
-                         f"{max_tokens * CHARS_PER_TOKEN:,}: {max_tokens} tokens x {CHARS_PER_TOKEN} characters): "
-                         f"shorten it")
+    text_length(name, len(text), max_tokens)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

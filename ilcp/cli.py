@@ -289,7 +289,13 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-kv-cache-mb", type=int, default=1024,
                         help="the vLLM engine's KV cache in MiB (default 1024)")
     parser.add_argument("--device", default=None, help="where the LM runs (default: cuda if available, else cpu)")
-    parser.add_argument("--out", default=None, help="output directory (default results/<run name>)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default results/<run name>; not inside the run folder)")
+    parser.add_argument("--export-key-file", default=None, metavar="PATH",
+                        help=f"a file holding the key the export was signed with (ilcp.export.sign_export), its bytes "
+                             f"as they are (at least 16): config.json's signature must verify under it, as "
+                             f"from_pretrained(export_key=) checks it (default: ${EXPORT_KEY_ENV} when set; without "
+                             f"a key the export is read unverified, and a note says so)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -298,6 +304,7 @@ def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
     """The `EvalConfig` of ``ilcp-eval``'s parsed arguments (ValueError for a bad value)."""
     if args.vllm_kv_cache_mb < 1:
         raise ValueError(f"--vllm-kv-cache-mb must be >= 1, got {args.vllm_kv_cache_mb}")
+    export_key = read_export_key(args.export_key_file)
     return EvalConfig(
         tasks=args.tasks, methods=args.methods, limit=args.limit, latency_n=args.latency_n,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, lengths=args.lengths,
@@ -305,8 +312,35 @@ def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
         seed=args.seed, out=out, device=args.device, progress=not args.no_progress,
         payload_dtype=args.payload_dtype, engine=args.engine, throughput_batches=args.throughput_batches,
         throughput_n=args.throughput_n, vllm_kv_cache_bytes=args.vllm_kv_cache_mb << 20, precision=args.precision,
-        resume=args.resume, only_tasks=args.only_tasks,
+        resume=args.resume, only_tasks=args.only_tasks, export_key=export_key,
     )
+
+
+EXPORT_KEY_ENV = "ILCP_EXPORT_KEY_FILE"
+
+
+def read_export_key(path: str | None) -> bytes | None:
+    """The key of ``--export-key-file PATH``, else of the file ``$ILCP_EXPORT_KEY_FILE`` names,
+    else None: the file's bytes as they are. ValueError, one line naming the file and where it
+    was named, for a file that is missing, not a regular file or shorter than 16 bytes."""
+    import os
+
+    where = "--export-key-file"
+    if path is None:
+        path, where = os.environ.get(EXPORT_KEY_ENV) or None, EXPORT_KEY_ENV
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"{where} {path!r} does not exist: pass the file holding the key the export was signed with")
+    if not file.is_file():
+        raise ValueError(f"{where} {path!r} is not a regular file: pass the file holding the key the export was "
+                         f"signed with")
+    key = file.read_bytes()
+    if len(key) < 16:
+        raise ValueError(f"{where} {path!r} holds {len(key)} bytes; an export key is at least 16 bytes (its bytes "
+                         f"are the key, as written by Path(file).write_bytes(key))")
+    return key
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -322,6 +356,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("results") / ckpt.resolve().name
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file: pass a folder for the results")
+    if (ckpt / "config.json").exists() and out.resolve().is_relative_to(ckpt.resolve()):  # an export's folder
+        parser.error(f"--out {str(out)!r} is inside the run folder {str(ckpt)!r}: the results would be written into "
+                     f"the export; pass a folder outside it (default results/<run name>)")
     try:
         cfg = eval_config(args, out)
     except ValueError as e:  # a bad number, before anything heavy is imported
@@ -350,6 +387,9 @@ def eval_main(argv: list[str] | None = None) -> int:
             parser.error(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     setup_logging()
     log = logging.getLogger("ilcp.eval").info
+    if cfg.export_key is None:
+        log(f"note: {ckpt} is evaluated unverified: no --export-key-file or ${EXPORT_KEY_ENV}, so its signature is "
+            f"not checked (its digests catch accidents, not edits)")
     log(f"{ckpt}: limit {args.limit or 'none (whole split)'} questions per task, {args.latency_n} timed "
         f"requests per method; results in {out}")
     try:

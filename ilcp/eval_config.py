@@ -5,7 +5,7 @@
 
 Every field carries its help text (``field(metadata={"help": ...})``) and `__post_init__` checks
 the values, so a bad setting is a one-line ValueError before any model loads. This module imports
-only the standard library, `ilcp.names` and `ilcp.vllm_engine` (``ilcp-eval`` builds it before
+only the standard library, `ilcp.checks`, `ilcp.names` and `ilcp.vllm_engine` (``ilcp-eval`` builds it before
 torch is imported); the method and task names are resolved by `evaluate`, which knows every family.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from .checks import check_key
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
 from .vllm_engine import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
@@ -92,6 +93,10 @@ class EvalConfig:
                                      "one the run trained at)")
     resume: bool = _f(False, "reuse the (task, method) results that an earlier evaluation of the same run with the "
                              "same settings saved under out/parts, and compute only the missing ones")
+    export_key: bytes | None = field(default=None, repr=False, metadata={
+        "help": "the key the export was signed with (ilcp.export.sign_export; bytes, >= 16): config.json's signature "
+                "must verify under it, as from_pretrained(export_key=) checks it (None: the export is read "
+                "unverified; its digests catch accidents, not edits)"})
 
     def __post_init__(self):
         self.tasks = _names(self.tasks, "tasks")
@@ -121,6 +126,8 @@ class EvalConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.resume and self.out is None:
             raise ValueError("resume reads the results saved under out: give out")
+        if self.export_key is not None:
+            self.export_key = check_key(self.export_key)
 
     @classmethod
     def help(cls) -> dict[str, str]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +59,8 @@ from . import __version__
 from .encoder import ConstantMemory, ILCPEncoder, MemorySource
 from .encoder_config import EncoderSpec, ExportError
 from .checks import check_key
-from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from .lm import LM, LMLoadError, load_lm
+from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text, file_kind
 from .memory_kinds import config_value
 
 EXPORT_FORMAT = "ilcp-export"
@@ -415,6 +417,39 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+class ExportLMError(ExportError, LMLoadError):
+    """An export names an LM (``lm.spec``, ``lm.dtype``) that cannot be loaded here: an
+    `ExportError`, as every refusal of an export is, and an `ilcp.lm.LMLoadError`, as every LM
+    that does not load is (`load_export_lm`)."""
+
+
+def export_path(path) -> Path:
+    """``path`` as a Path when it can name an export folder (a str or os.PathLike); else ExportError."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ExportError(f"an export is a run folder such as 'checkpoints/default' (a str or os.PathLike), got "
+                          f"{type(path).__name__}")
+    if not str(path).strip():
+        raise ExportError("an export is a run folder such as 'checkpoints/default', got an empty path")
+    return Path(path)
+
+
+def load_export_lm(config: dict, where: str | Path, *, device: str = "cpu",
+                   cache_dir: str | os.PathLike | None = None) -> LM:
+    """The LM an export's config.json names (``lm.spec``, ``lm.dtype``), loaded with `load_lm`.
+
+    Raises:
+        ExportLMError: it cannot be loaded here (an unknown spec or dtype, a missing wheel or
+            folder), one line naming ``where`` and both entries.
+    """
+    named = config["lm"]
+    spec, dtype = named["spec"], named.get("dtype", "float32")
+    try:
+        return load_lm(spec, dtype=dtype, device=device, cache_dir=cache_dir)
+    except LMLoadError as e:
+        raise ExportLMError(f"{where}: the LM it names (lm.spec {spec!r}, lm.dtype {dtype!r}) cannot be loaded here: "
+                            f"{' '.join(str(e).split())}") from None
+
+
 def read_config(path: str | Path, key: bytes | None = None) -> dict:
     """config.json of an export, checked against the schema this package writes; with ``key``,
     its signature must verify (see the module docstring).
@@ -422,10 +457,12 @@ def read_config(path: str | Path, key: bytes | None = None) -> dict:
     Raises:
         ExportError: one line naming the file and the problem.
     """
-    path = Path(path)
+    path = export_path(path)
     cfg_path = path / CONFIG_FILE
     if not path.is_dir():
         raise ExportError(f"{str(path)!r} is not a directory; pass a run folder such as checkpoints/default")
+    if not cfg_path.is_file() and (cfg_path.exists() or cfg_path.is_symlink()):
+        raise ExportError(f"{cfg_path} is {file_kind(cfg_path)}, not a regular file: not a readable export")
     if not cfg_path.is_file():
         raise ExportError(f"{str(path)!r} holds no config.json: not a finished export (train with python train.py)")
     try:
@@ -455,6 +492,7 @@ def _check_schema(config: dict, where: Path) -> None:
     _field(config, "lm", dict, where)
     _field(config, "lm.spec", str, where)
     _field(config, "lm.fingerprint", str, where)
+    _field(config, "lm.dtype", str, where, required=False)
     _field(config, "lm.hidden_size", int, where, minimum=1)
     files = _field(config, "files", dict, where)
     for name, fname in files.items():
@@ -476,6 +514,9 @@ def _check_schema(config: dict, where: Path) -> None:
 def _read_weights(path: Path, fname: str, digests: dict | None) -> dict[str, Tensor]:
     fpath = path / fname
     if not fpath.is_file():
+        if fpath.exists() or fpath.is_symlink():
+            raise ExportError(f"{fpath} is listed in config.json but is {file_kind(fpath)}, not a regular file: copy "
+                              "the export's weights file there")
         raise ExportError(f"{fpath} is listed in config.json but missing")
     if digests is not None and fname in digests and file_digest(fpath) != digests[fname]:
         raise ExportError(f"{fpath} changed after export: its sha256 differs from the one in config.json")
@@ -494,7 +535,7 @@ def read_export(path: str | Path, key: bytes | None = None) -> ExportedRun:
             tampered with, of the wrong schema, or whose tensors do not fit the config; a
             metrics.json or train_config.yaml it lists that does not parse.
     """
-    path = Path(path)
+    path = export_path(path)
     config = read_config(path, key)
     _check_run_files(path, config)
     run = ExportedRun(path=path, config=config)

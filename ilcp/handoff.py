@@ -47,8 +47,9 @@ from .checks import positive_int, text_input
 from .decoding import greedy_decode
 from .encoder import ILCPEncoder
 from .encoder_config import EncoderSpec
-from .export import ExportError, ExportedRun, check_fingerprint, read_export, save_encoder
-from .lm import LM, load_lm
+from .export import (CONFIG_FILE, ExportError, ExportedRun, check_fingerprint, load_export_lm, read_config,
+                     read_export, save_encoder)
+from .lm import LM
 from .compat import output_cache_or_none
 from .memory_kinds import memory_kind_of
 from .memory_slots import slot_states
@@ -61,6 +62,10 @@ from .transport import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, Transpor
 __all__ = ["ILCPHandoff", "answers_by_request"]
 
 MAX_BATCH_TOKENS = 16384  # padded positions per sender forward (`ILCPHandoff.latents`)
+# Characters of all the contexts of one send together (`max_characters`), checked before any is
+# tokenised: 2 MiB of text, about half a million tokens of English prose, 64 full 8,192-token
+# contexts. Each context alone is bounded by the LM's positions (`ilcp.checks.text_input`).
+MAX_SEND_CHARACTERS = 1 << 21
 
 
 def answers_by_request(answers: Sequence[str], shapes: Sequence[tuple[bool, int]]) -> list[str | list[str]]:
@@ -205,30 +210,36 @@ class ILCPHandoff:
                 the run trained at (config.json ``lm.precision``; "32-true" when absent).
 
         Raises:
-            ExportError: not an export, no ILCP weights in it, or an LM with another fingerprint.
+            ExportError: not an export (``path`` not a str or os.PathLike included), no ILCP
+                weights in it, or an LM with another fingerprint (checked before any weights file
+                is read); `ilcp.export.ExportLMError`, also an `ilcp.lm.LMLoadError`, when the LM
+                config.json names cannot be loaded here.
             ValueError: a bare model without a tokenizer, a tokenizer beside an LM bundle, an
                 unknown precision.
         """
-        run = read_export(path, key=export_key)
-        if run.encoder is None:
+        config = read_config(path, key=export_key)
+        if "ilcp" not in config["files"]:
             raise ExportError(
-                f"{str(path)!r} holds no ILCP weights (files: {sorted(run.config.get('files', {}))}); "
+                f"{str(path)!r} holds no ILCP weights (files: {sorted(config['files'])}); "
                 "train with 'ilcp' among handoff.variants"
             )
         if lm is None:
             if tokenizer is not None:
                 raise ValueError("a tokenizer was given without its model: pass lm=model as well")
-            named = run.config["lm"]
-            lm = load_lm(named["spec"], dtype=named.get("dtype", "float32"), device=device or "cpu", cache_dir=cache_dir)
+            lm = load_export_lm(config, Path(path) / CONFIG_FILE, device=device or "cpu", cache_dir=cache_dir)
         elif isinstance(lm, LM):
             if tokenizer is not None and tokenizer is not lm.tokenizer:
                 raise ValueError("lm is an LM bundle, which carries its tokenizer: do not pass another one")
         elif isinstance(lm, nn.Module):
             if tokenizer is None:
                 raise ValueError("a bare model needs its tokenizer: from_pretrained(path, lm=model, tokenizer=tok)")
-            lm = LM(model=lm, tokenizer=tokenizer, spec=run.lm_spec)
+            lm = LM(model=lm, tokenizer=tokenizer, spec=config["lm"]["spec"])
         else:
             raise ValueError(f"lm must be an ilcp.lm.LM, a torch model or None, got {type(lm).__name__}")
+        # Another LM is named by its fingerprint before any weights file is read: an export of an LM
+        # with the same hidden size would otherwise meet a shape check of its tensors first.
+        check_fingerprint(config, lm.fingerprint)
+        run = read_export(path, key=export_key)
         return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
                                precision=precision, max_age=max_age, replay_window=replay_window,
                                max_payload_latents=max_payload_latents)
@@ -296,7 +307,8 @@ class ILCPHandoff:
 
     # ----------------------------------------------------------------------------------- sender
 
-    def sender_inputs(self, contexts: Sequence[str]) -> dict[str, Tensor]:
+    def sender_inputs(self, contexts: Sequence[str], *,
+                      max_characters: int | None = MAX_SEND_CHARACTERS) -> dict[str, Tensor]:
         """Token ids as training pooled them: no special tokens, right-padded; a context longer
         than the export's ``max_length`` keeps its last ``max_length`` tokens, with a warning.
 
@@ -306,16 +318,25 @@ class ILCPHandoff:
         Raises:
             ValueError: no contexts, a non-string, a context with no tokens or only whitespace,
                 one that is not valid Unicode, or one longer than the LM's context could hold
-                (`ilcp.checks.text_input`: refused before it is tokenised).
+                (`ilcp.checks.text_input`: refused before it is tokenised); contexts of more than
+                ``max_characters`` characters together (default `MAX_SEND_CHARACTERS`; None: no
+                bound), refused before any is tokenised.
         """
         if isinstance(contexts, str) or not isinstance(contexts, Sequence) or len(contexts) == 0:
             raise ValueError("contexts must be a non-empty list of strings")
         if any(not isinstance(c, str) for c in contexts):
             raise ValueError("contexts must be strings")
+        if max_characters is not None:
+            positive_int("max_characters", max_characters)
         for i, context in enumerate(contexts):
             text_input("the context" if len(contexts) == 1 else f"context {i}", context, self.lm.max_positions)
             if context and not context.strip():
                 raise ValueError("cannot send a context of only whitespace (it carries nothing to hand over)")
+        total = sum(len(c) for c in contexts)
+        if max_characters is not None and total > max_characters:
+            raise ValueError(f"these {len(contexts)} contexts hold {total:,} characters together, more than "
+                             f"max_characters={max_characters:,} (ilcp.handoff.MAX_SEND_CHARACTERS by default): send "
+                             f"them in several calls, or pass a larger max_characters")
         ids = self.lm.tokenizer(list(contexts), add_special_tokens=False)["input_ids"]
         if any(len(seq) == 0 for seq in ids):
             raise ValueError("cannot send an empty context (it has no tokens)")
@@ -329,7 +350,8 @@ class ILCPHandoff:
         return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
 
     def latents(self, contexts: Sequence[str], *, batch_size: int = 16,
-                max_batch_tokens: int | None = MAX_BATCH_TOKENS) -> list[Tensor]:
+                max_batch_tokens: int | None = MAX_BATCH_TOKENS,
+                max_characters: int | None = MAX_SEND_CHARACTERS) -> list[Tensor]:
         """z = mu of each context: the sender forward training ran, one per batch of similar
         lengths (at most ``batch_size`` contexts and ``max_batch_tokens`` padded positions, so
         long contexts go a few, or one, at a time), then the encoder.
@@ -339,7 +361,7 @@ class ILCPHandoff:
             (N_i, Z) for a run with one latent per chunk (N_i the context's chunks).
         """
         batch_size = positive_int("batch_size", batch_size)
-        inputs = self.sender_inputs(contexts)  # validates and truncates
+        inputs = self.sender_inputs(contexts, max_characters=max_characters)  # validates and truncates
         ids, attention = inputs["input_ids"], inputs["attention_mask"]
 
         def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
@@ -400,7 +422,8 @@ class ILCPHandoff:
                              "with send_each")
         return self._pack(torch.stack(latents))
 
-    def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
+    def send(self, context: str | Sequence[str], *, batch_size: int = 16,
+             max_characters: int | None = MAX_SEND_CHARACTERS) -> TransportPayload:
         """Encode and pack a context.
 
         Args:
@@ -408,21 +431,27 @@ class ILCPHandoff:
                 chunk) or a list of them (payload latent (B, Z), or (B, N, Z) when every context
                 has N chunks; `send_each` sends contexts of any lengths).
             batch_size: contexts per sender forward.
+            max_characters: the contexts' characters together at most (`MAX_SEND_CHARACTERS`,
+                2,097,152, by default; None: no bound), checked before any is tokenised.
 
         Returns:
             the payload, on the CPU, carrying this LM's fingerprint.
 
         Raises:
             ValueError: not a string or a non-empty list of strings; an empty context; a
-                batch_size that is not a positive int; chunked contexts with different numbers
+                batch_size that is not a positive int; more than ``max_characters`` characters
+                together, or one context longer than the LM's context could hold; chunked contexts with different numbers
                 of chunks in one payload.
         """
         single = isinstance(context, str)
-        return self.pack_latents(self.latents([context] if single else context, batch_size=batch_size), single)
+        return self.pack_latents(self.latents([context] if single else context, batch_size=batch_size,
+                                              max_characters=max_characters), single)
 
-    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
-        """One payload per context (batched sender forwards), whatever their lengths."""
-        return [self._pack(z) for z in self.latents(contexts, batch_size=batch_size)]
+    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16,
+                  max_characters: int | None = MAX_SEND_CHARACTERS) -> list[TransportPayload]:
+        """One payload per context (batched sender forwards), whatever their lengths; the same
+        bound as `send` on their characters together."""
+        return [self._pack(z) for z in self.latents(contexts, batch_size=batch_size, max_characters=max_characters)]
 
     def send_from_hidden_states(self, outputs, attention_mask: Tensor) -> TransportPayload:
         """Pack the contexts a sender's own forward already encoded; runs no forward.

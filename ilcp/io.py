@@ -51,3 +51,15 @@ def atomic_save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: di
     """Contiguous copies (shared storage cloned) written as one safetensors file."""
     clean = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
     _atomic(path, lambda tmp: save_file(clean, tmp, metadata=metadata))
+
+
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words: a folder, a named pipe, ..."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return "a link to nothing"
+    for test, words in (("is_dir", "a folder"), ("is_fifo", "a named pipe"), ("is_socket", "a socket"),
+                        ("is_block_device", "a block device"), ("is_char_device", "a character device")):
+        if getattr(path, test)():
+            return words
+    return "neither a file nor a folder"

@@ -165,7 +165,7 @@ def test_bad_arguments_are_clear_errors(run_dir, tmp_path, monkeypatch, capsys):
     def no_lm(*args, **kwargs):
         raise AssertionError("bad arguments must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_session, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_export_lm", no_lm)
     with pytest.raises(ExportError, match="not a directory"):
         evaluate(tmp_path / "missing")
     with pytest.raises(ValueError, match="unknown method 'telepathy'"):
@@ -238,7 +238,7 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
     def no_lm(*args, **kwargs):
         raise AssertionError("a run without task settings must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_session, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_export_lm", no_lm)
     del config["task_settings"]["facts_n_distractors"]
     (facts_run / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="task_settings lacks facts_n_distractors"):

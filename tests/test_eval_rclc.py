@@ -242,7 +242,7 @@ def test_bad_rclc_names_are_refused_before_the_lm_loads(run_dir, tmp_path, monke
     def no_lm(*args, **kwargs):
         raise AssertionError("bad names must be refused before the LM loads")
 
-    monkeypatch.setattr(eval_session, "load_lm", no_lm)
+    monkeypatch.setattr(eval_session, "load_export_lm", no_lm)
     with pytest.raises(ValueError, match="unknown selector 'snapkv'"):
         evaluate(run_dir, methods=["rclc:snapkv:r4"])
     eval_script = _load_eval_script()

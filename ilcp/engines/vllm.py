@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..decoding import cut_answer, decoded_answer, stop_token_ids
-from ..handoff import ILCPHandoff, answers_by_request
+from ..handoff import MAX_SEND_CHARACTERS, ILCPHandoff, answers_by_request
 from ..lm import LM
 from ..transport import TransportPayload
 from ..vllm_engine import check_prefix, create_engine, engine_kwargs, require_vllm
@@ -452,7 +452,8 @@ class VLLMSender:
         self.llm = llm
         self.max_model_len = int(config.max_model_len)
 
-    def token_states(self, contexts: Sequence[str]) -> list[Tensor]:
+    def token_states(self, contexts: Sequence[str], *,
+                     max_characters: int | None = MAX_SEND_CHARACTERS) -> list[Tensor]:
         """Last-layer token states (S_i, H) of each context, over the ids `ILCPHandoff.sender_inputs`
         gives, in the handoff LM's dtype on the encoder's device; one ``encode`` call.
 
@@ -461,7 +462,7 @@ class VLLMSender:
                 engine's max_model_len.
         """
         handoff = self.handoff
-        inputs = handoff.sender_inputs(contexts)
+        inputs = handoff.sender_inputs(contexts, max_characters=max_characters)
         lengths = inputs["attention_mask"].sum(-1).tolist()
         ids = [inputs["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
         for i, n in enumerate(lengths):
@@ -482,11 +483,12 @@ class VLLMSender:
             states.append(data.to(device=handoff.device, dtype=handoff.lm.dtype))
         return states
 
-    def latents(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[Tensor]:
+    def latents(self, contexts: Sequence[str], *, batch_size: int = 16,
+                max_characters: int | None = MAX_SEND_CHARACTERS) -> list[Tensor]:
         """z = mu of each context, as `ILCPHandoff.latents` computes it from HF states: one float32
         tensor per context, (Z,), or (N_i, Z) for a run with one latent per chunk."""
         batch_size = positive_int("batch_size", batch_size)
-        states = self.token_states(contexts)
+        states = self.token_states(contexts, max_characters=max_characters)
 
         def states_of(rows: list[int], width: int) -> tuple[Tensor, Tensor]:
             padded = states[rows[0]].new_zeros((len(rows), width, states[rows[0]].shape[1]))
@@ -498,15 +500,18 @@ class VLLMSender:
 
         return self.handoff.encode_in_batches([s.shape[0] for s in states], batch_size, states_of)
 
-    def send(self, context: str | Sequence[str], *, batch_size: int = 16) -> TransportPayload:
+    def send(self, context: str | Sequence[str], *, batch_size: int = 16,
+             max_characters: int | None = MAX_SEND_CHARACTERS) -> TransportPayload:
         """`ILCPHandoff.send` with the states from the pooling engine."""
         single = isinstance(context, str)
-        return self.handoff.pack_latents(self.latents([context] if single else context, batch_size=batch_size),
-                                         single)
+        return self.handoff.pack_latents(self.latents([context] if single else context, batch_size=batch_size,
+                                                      max_characters=max_characters), single)
 
-    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16) -> list[TransportPayload]:
+    def send_each(self, contexts: Sequence[str], *, batch_size: int = 16,
+                  max_characters: int | None = MAX_SEND_CHARACTERS) -> list[TransportPayload]:
         """One payload per context, whatever their lengths."""
-        return [self.handoff.pack_latents([z], True) for z in self.latents(contexts, batch_size=batch_size)]
+        return [self.handoff.pack_latents([z], True)
+                for z in self.latents(contexts, batch_size=batch_size, max_characters=max_characters)]
 
     def __repr__(self) -> str:
         return f"VLLMSender(handoff={self.handoff!r}, max_model_len={self.max_model_len})"

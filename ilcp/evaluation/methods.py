@@ -121,7 +121,8 @@ class ILCPMethod(HandoffMethod):
     def build_prefixes(self, rows: Sequence[dict]) -> Prefixes:
         handoff = self.ctx.handoff
         # One payload per row: its size, not a batch's, is what one handoff sends.
-        payloads = handoff.send_each([r["context"] for r in rows], batch_size=self.ctx.pool_batch_size)
+        payloads = handoff.send_each([r["context"] for r in rows], batch_size=self.ctx.pool_batch_size,
+                                     max_characters=None)  # the rows of a task, each bounded
         wires = [p.to_bytes() for p in payloads]
         prefixes = [handoff.prefixes(w, [r["question"]])[0] for w, r in zip(wires, rows)]
         return Prefixes(prefixes=prefixes, wire_bytes=[len(w) for w in wires],

@@ -98,7 +98,8 @@ def evaluate(
     the vLLM engine computes in its own dtype.
 
     Raises:
-        ExportError: ``ckpt`` is not a finished run, ``lm`` is another LM than the run's, or a facts
+        ExportError: ``ckpt`` is not a finished run, its signature does not verify under
+            ``config.export_key`` (or it carries none), ``lm`` is another LM than the run's, or a facts
             task is asked of a run whose config.json records no facts settings (``task_settings``).
         ValueError: an unknown method, task or engine, or a bad number.
         TypeError: a keyword that is not an `EvalConfig` field.
@@ -120,7 +121,8 @@ def evaluate(
                 "train_task": "+".join(s.name for s in training_tasks(session.run_config["task"])),
                 **({"heldout_tasks": held} if (held := heldout_tasks(session.run_config, session.ckpt)) else {}),
                 "latent_dim": session.handoff.spec.latent_dim if session.handoff is not None else None,
-                "num_memory_tokens": session.run_config.get("num_memory_tokens")},
+                "num_memory_tokens": session.run_config.get("num_memory_tokens"),
+                "export_verified": config.export_key is not None},
         "settings": {"limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,
                      "max_new_tokens": config.max_new_tokens, "intervals": "wilson", "seed": config.seed,
                      "methods": session.asked, "tasks": [s.name for s in session.tasks], "device": str(lm.device),

@@ -15,9 +15,9 @@ import torch
 
 from ..engines.vllm import VLLMDecoder
 from ..eval_config import EvalConfig
-from ..export import ExportError, check_fingerprint, read_config, read_export
+from ..export import CONFIG_FILE, ExportError, check_fingerprint, load_export_lm, read_config, read_export
 from ..handoff import ILCPHandoff
-from ..lm import LM, load_lm
+from ..lm import LM
 from ..names import split_task_names
 from ..precision import resolve
 from ..tasks import EvalTaskContext, Task, resolve_task
@@ -172,7 +172,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     say = log or (lambda message: None)
     require_engine(config.engine)
     ckpt = Path(ckpt)
-    run_config = read_config(ckpt)
+    run_config = read_config(ckpt, config.export_key)  # with a key, its signature verifies before anything loads
     chosen = _resolve_methods(config.methods)
     task_specs = resolve_tasks(run_config["task"], config.tasks, config.only_tasks, heldout_tasks(run_config, ckpt))
     trained_on = trained_tasks(run_config, ckpt)
@@ -193,9 +193,9 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     if lm is None:
         dev = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         say(f"loading LM {run_config['lm']['spec']!r} ({run_config['lm'].get('dtype', 'float32')}, {dev})")
-        lm = load_lm(run_config["lm"]["spec"], dtype=run_config["lm"].get("dtype", "float32"), device=dev)
+        lm = load_export_lm(run_config, ckpt / CONFIG_FILE, device=dev)
     check_fingerprint(run_config, lm.fingerprint)
-    run = read_export(ckpt)
+    run = read_export(ckpt, config.export_key)
     precision = resolve(config.precision or str(run_config["lm"].get("precision", "32-true")), lm.device)
     say(f"compute precision {precision}")
     handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=config.payload_dtype, precision=precision)

@@ -180,8 +180,10 @@ class HFBackend:
 
     def history_ids(self, messages) -> torch.Tensor:
         """Chat history rendered with no new assistant prefix, int64 [1, n]."""
-        text = hf.render_chat(self.tokenizer, messages, add_generation_prompt=False)
-        return hf.check_ids(hf.encode_text(self.tokenizer, text), self.vocab_size, "history token IDs")
+        limit = hf.text_limit(self.model)
+        text = hf.render_chat(self.tokenizer, messages, add_generation_prompt=False, max_tokens=limit)
+        return hf.check_ids(hf.encode_text(self.tokenizer, text, limit, what="the rendered chat history"),
+                            self.vocab_size, "history token IDs")
 
     def content_ids(self, content) -> torch.Tensor:
         """Rendered text (no special tokens added) or int64 [1, n] IDs, as int64 [1, n] IDs.
@@ -192,7 +194,7 @@ class HFBackend:
         if isinstance(content, str):
             if not content:
                 raise ValueError("append needs nonempty text or int64 [1, tokens] IDs")
-            ids = hf.encode_text(self.tokenizer, content)
+            ids = hf.encode_text(self.tokenizer, content, hf.text_limit(self.model), what="the appended text")
         elif isinstance(content, torch.Tensor):
             ids = content
         else:

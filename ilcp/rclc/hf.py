@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ilcp import compat
+from ilcp.checks import text_input, text_length
 
 # --------------------------------------------------------------------------------------------
 # embeddings and forwards
@@ -208,37 +209,64 @@ def check_same_checkpoint(sender_model, sender_tokenizer, receiver_model, receiv
 # tokenizer
 
 
-def encode_text(tokenizer, text: str) -> torch.Tensor:
-    """Token IDs of rendered text without added special tokens, int64 [1, n]."""
+def encode_text(tokenizer, text: str, max_tokens: int | None = None, *, what: str = "the text") -> torch.Tensor:
+    """Token IDs of rendered text without added special tokens, int64 [1, n].
+
+    ``max_tokens`` (the model's positions, `text_limit`) bounds the text as ILCP bounds its
+    contexts and questions (`ilcp.checks.text_input`: at most ``max_tokens x CHARS_PER_TOKEN``
+    characters, valid Unicode), checked before the tokenizer runs; ValueError naming ``what``."""
     if tokenizer is None:
         raise ValueError("text needs a tokenizer; pass int64 [1, tokens] IDs instead")
+    text_input(what, text, max_tokens)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
-def render_chat(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    """Apply the tokenizer's chat template; thinking disabled for templates that read it."""
+def text_limit(model: nn.Module) -> int | None:
+    """The token bound of `encode_text` for a model: its ``max_position_embeddings`` (None when
+    the config names none, as `ilcp.lm.LM.max_positions`)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def render_chat(tokenizer, messages, *, add_generation_prompt: bool, max_tokens: int | None = None) -> str:
+    """Apply the tokenizer's chat template; thinking disabled for templates that read it.
+    ``max_tokens``: the messages' texts together are bounded as `encode_text` bounds a text,
+    before the template renders them."""
     if tokenizer is None:
         raise ValueError("chat messages need a tokenizer with a chat template; pass text or IDs instead")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass rendered text or int64 [1, tokens] IDs")
-    _check_messages(messages)
+    _check_messages(messages, max_tokens)
     kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if add_generation_prompt:
         kwargs["enable_thinking"] = False
     return tokenizer.apply_chat_template(list(messages), **kwargs)
 
 
-def _check_messages(messages) -> None:
+def _content_characters(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(v) for part in content if isinstance(part, dict) for v in part.values() if isinstance(v, str))
+
+
+def _check_messages(messages, max_tokens: int | None = None) -> None:
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+            raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {_short(m)}")
         # A list of content parts is the multimodal form some templates read; anything else would
         # fail inside the template's Jinja code with a message that names neither field.
         if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
-            raise TypeError(f"a chat message's role must be a string and its content a string, got {m!r}")
+            raise TypeError(f"a chat message's role must be a string and its content a string, got "
+                            f"{_short(m)}")
+    text_length("the text of the chat messages", sum(_content_characters(m["content"]) for m in messages), max_tokens)
+
+
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def check_ids(ids, vocab: int, what: str = "token IDs") -> torch.Tensor:

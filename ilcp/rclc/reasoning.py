@@ -42,7 +42,7 @@ def latent_mass_sync(state: SenderState, steps: int, request: torch.Tensor | str
     state.validate()
     model = state.model
     if isinstance(request, str):
-        request = hf.encode_text(state.tokenizer, request)
+        request = hf.encode_text(state.tokenizer, request, hf.text_limit(model), what="the request")
     if request is not None:
         request = hf.check_ids(request, hf.vocab_size(model), "request IDs")
     with MODEL_LOCK:

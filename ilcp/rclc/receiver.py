@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ilcp.checks import positive_int
+from ilcp.checks import positive_int, text_input
 from ilcp.rclc import budget as budget_rules
 from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
@@ -175,7 +175,7 @@ class HFReceiver:
         if not isinstance(slot_template, str) or slot_template.count("{context}") != 1 or slot_template.count("{request}") != 1:
             raise ValueError("slot_template must contain '{context}' and '{request}' exactly once each")
         if messages is not None:
-            hf._check_messages(messages)
+            hf._check_messages(messages, hf.text_limit(model))
         self.model = model
         self.tokenizer = tokenizer
         self.messages = messages
@@ -211,21 +211,25 @@ class HFReceiver:
             raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")
         if self.tokenizer is None:
             raise ValueError("a string request needs the receiver's tokenizer")
+        limit = hf.text_limit(self.model)
+        text_input("the request", request, limit)  # before the template renders it
         content = request
         if self.placement == "in_prompt":
             content = self.slot_template.replace("{request}", request).replace("{context}", _SLOT)
         if getattr(self.tokenizer, "chat_template", None):
-            text = hf.render_chat(self.tokenizer, history + [{"role": "user", "content": content}], add_generation_prompt=True)
+            text = hf.render_chat(self.tokenizer, history + [{"role": "user", "content": content}],
+                                  add_generation_prompt=True, max_tokens=limit)
         elif history:
             raise ValueError("chat history needs a tokenizer with a chat template")
         else:
             text = content
         if self.placement == "prefix":
-            return RenderedPrompt(empty, hf.encode_text(self.tokenizer, text))
+            return RenderedPrompt(empty, hf.encode_text(self.tokenizer, text, limit, what="the receiver's prompt"))
         if text.count(_SLOT) != 1:
             raise ValueError("the chat template did not keep the context slot intact")
         before, after = text.split(_SLOT)
-        return RenderedPrompt(hf.encode_text(self.tokenizer, before), hf.encode_text(self.tokenizer, after))
+        return RenderedPrompt(hf.encode_text(self.tokenizer, before, limit, what="the receiver's prompt"),
+                              hf.encode_text(self.tokenizer, after, limit, what="the receiver's prompt"))
 
     def handoff_space(self, request, max_new_tokens: int | None = None) -> int:
         """Positions left for received rows: context limit - rendered prompt - output allowance."""

@@ -50,7 +50,7 @@ def sender_from_hf(
     else:
         if source is None:
             raise ValueError("pass chat messages, rendered text, int64 [1, tokens] IDs or generation=...")
-        ids, cache = _source_ids(tokenizer, source), past_key_values
+        ids, cache = _source_ids(tokenizer, source, hf.text_limit(model)), past_key_values
     ids = hf.check_ids(ids, hf.vocab_size(model), "sender token IDs")
     total = ids.shape[1]
     with MODEL_LOCK:
@@ -71,14 +71,14 @@ def sender_from_hf(
     )
 
 
-def _source_ids(tokenizer, source) -> torch.Tensor:
+def _source_ids(tokenizer, source, limit: int | None) -> torch.Tensor:
     if isinstance(source, torch.Tensor):
         return source
     if isinstance(source, str):
-        return hf.encode_text(tokenizer, source)
+        return hf.encode_text(tokenizer, source, limit, what="the sender's text")
     if isinstance(source, (list, tuple)):
-        text = hf.render_chat(tokenizer, source, add_generation_prompt=False)
-        return hf.encode_text(tokenizer, text)
+        text = hf.render_chat(tokenizer, source, add_generation_prompt=False, max_tokens=limit)
+        return hf.encode_text(tokenizer, text, limit, what="the rendered chat messages")
     raise TypeError(f"source must be chat messages, text or an int64 tensor, got {type(source).__name__}")
 
 

@@ -84,7 +84,8 @@ def _request_ids(state: SenderState, request) -> torch.Tensor:
             raise ValueError("a string request needs each sender's tokenizer; this sender has none (pass int64 IDs)")
         if not request:
             raise ValueError("the request must not be empty")
-        return hf.check_ids(hf.encode_text(state.tokenizer, request), hf.vocab_size(state.model), "request IDs")
+        ids = hf.encode_text(state.tokenizer, request, hf.text_limit(state.model), what="the request")
+        return hf.check_ids(ids, hf.vocab_size(state.model), "request IDs")
     if isinstance(request, torch.Tensor):
         return hf.check_ids(request, hf.vocab_size(state.model), "request IDs")
     raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")

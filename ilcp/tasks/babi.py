@@ -44,9 +44,13 @@ def _parse_babi_cached(path: str, mtime_ns: int, size: int) -> tuple:
     def fail(line_no: int, what: str):
         raise TaskFormatError(f"{path}, line {line_no}: {what}")
 
-    with open(path, encoding="utf-8") as handle:
+    with open(path, "rb") as handle:  # decoded line by line, so bytes that are not UTF-8 are named where they stand
         for line_no, raw in enumerate(handle, start=1):
-            line = raw.rstrip("\r\n")
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                fail(line_no, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): a bAbI task file "
+                              "is plain text")
             if not line.strip():
                 continue
             match = _LINE.match(line)
@@ -105,9 +109,17 @@ def babi_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     root = Path(data_dir or os.environ.get(BABI_DIR_ENV) or default_babi_dir())
     if not root.is_dir():
         raise FileNotFoundError(
-            f"bAbI data directory {root} not found: pass data_dir=, set {BABI_DIR_ENV}, "
-            "or copy the bAbI v1.2 task folders (en/, en-10k/) there")
+            f"bAbI data directory {root} not found: {_point_at(data_dir, 'a folder that holds')} the bAbI v1.2 task "
+            "folders (en/, en-10k/), or copy them there")
     return root
+
+
+def _point_at(data_dir, what: str) -> str:
+    """The remedy for a missing bAbI file: the argument the caller passed (a library call's
+    ``data_dir=``), else the environment variable, the only way train.py and eval.py take."""
+    if data_dir:
+        return f"point data_dir= at {what}"
+    return f"set {BABI_DIR_ENV} (read by train.py, eval.py and the library) to {what}"
 
 
 def _babi_task_number(task: int | str) -> int:
@@ -144,8 +156,8 @@ def babi_file(task: int | str, split: str, *, variant: str = "en",
                         if (m := re.match(r"qa(\d+)_", p.name))})
     raise FileNotFoundError(
         f"no file {folder / f'qa{number}_*_{stem}.txt'} (tasks available there: "
-        f"{', '.join(map(str, available)) or 'none'}); copy the bAbI task file there, or point "
-        f"data_dir= or {BABI_DIR_ENV} at a folder that has it")
+        f"{', '.join(map(str, available)) or 'none'}); copy the bAbI task file there, or "
+        f"{_point_at(data_dir, f'a folder whose {variant}/ holds it')}")
 
 
 def _validation_stories(n_stories: int, fraction: float, seed: int) -> set[int]:

@@ -91,8 +91,8 @@ def format_vectors_from(name: str, lm: LM, trained: dict[str, MemorySource] | No
     if not (run_dir / export.CONFIG_FILE).is_file():
         raise ValueError(f"handoff.format_from={name!r}: not a run directory (no {export.CONFIG_FILE}); train that "
                          "run first, or use format_from=cold_read_tuned")
+    export.check_fingerprint(export.read_config(run_dir), lm.fingerprint)  # another LM: before any tensor is read
     run = export.read_export(run_dir)
-    export.check_fingerprint(run.config, lm.fingerprint)
     if "cold_read_tuned" not in run.soft_prompts:
         raise ValueError(f"handoff.format_from={name!r}: that run trained no cold_read_tuned "
                          f"(files: {sorted(run.config['files'])})")

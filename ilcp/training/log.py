@@ -7,6 +7,7 @@ import logging
 import pickle
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
+from ..io import file_kind
 from ..precision import resolve
 from .distributed import is_main
 
@@ -118,7 +120,7 @@ def last_checkpoint(stage_dir: Path) -> Path | None:
     """The stage's ``last.ckpt`` to resume from, checked readable (`read_checkpoint`); None when
     there is none."""
     p = stage_dir / "checkpoints" / "last.ckpt"
-    if not p.is_file():
+    if not (p.exists() or p.is_symlink()):
         return None
     read_checkpoint(p)
     return p
@@ -128,13 +130,21 @@ def read_checkpoint(path: Path) -> dict:
     """A Lightning checkpoint, read without unpickling arbitrary objects (``weights_only``).
 
     Raises:
-        ValueError: one line naming the file, why it cannot be read (truncated, not a checkpoint,
-            pickled objects that are not tensors, which are refused unread) and how to continue.
+        ValueError: one line naming the file, why it cannot be read (not a regular file, truncated,
+            not a checkpoint, pickled objects that are not tensors, which are refused unread) and
+            how to continue.
     """
+    if not path.is_file():
+        raise ValueError(f"{path} cannot be resumed from: it is {file_kind(path)}, not a regular file; continue "
+                         "with --resume --discard-last (the unfinished stage starts again) or remove it")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        problem = "it holds pickled objects other than tensors and plain values (refused unread: no code in it ran)"
+        if zipfile.is_zipfile(path) or _starts_as_pickle(path):
+            problem = ("it holds pickled objects other than tensors and plain values (refused unread: no code in it "
+                       "ran)")
+        else:
+            problem = "it is not a checkpoint (neither the zip archive torch.save writes nor a pickle)"
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")  # torch's first sentence
         problem = f"it is truncated or not a checkpoint ({reason})"
@@ -144,6 +154,12 @@ def read_checkpoint(path: Path) -> dict:
         problem = "it is not a Lightning checkpoint (no state_dict)"
     raise ValueError(f"{path} cannot be resumed from: {problem}; continue with --resume --discard-last (the "
                      "unfinished stage starts again) or delete the file")
+
+
+def _starts_as_pickle(path: Path) -> bool:
+    """Whether a file begins with pickle's protocol opcode (a pickle, or torch.save's legacy format)."""
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
 
 
 def checkpoint_state(path: Path) -> dict[str, Tensor]:

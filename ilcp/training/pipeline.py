@@ -115,8 +115,9 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last
         raised = _check_resumed_settings(cfg, run_dir / "train_config.yaml")
         if not discard_last:
             for stage in _unfinished_stages(run_dir):
-                if (stage / "checkpoints" / "last.ckpt").is_file():
-                    read_checkpoint(stage / "checkpoints" / "last.ckpt")
+                last = stage / "checkpoints" / "last.ckpt"
+                if last.exists() or last.is_symlink():  # a folder or a pipe there is refused too
+                    read_checkpoint(last)
         return raised
     return {}
 

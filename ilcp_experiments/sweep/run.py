@@ -156,7 +156,7 @@ def _facts_count_bytes(run_dir: Path, config: dict, lm, methods: Sequence[str], 
         for m in methods:
             if m == "ilcp":
                 if handoff.encoder.chunked:
-                    payloads = handoff.send_each(contexts, batch_size=batch_size)
+                    payloads = handoff.send_each(contexts, batch_size=batch_size, max_characters=None)
                     per[m] = [sum(len(p.to_bytes()) for p in payloads) / len(payloads),
                               sum(p.byte_length() for p in payloads) / len(payloads)]
                 else:

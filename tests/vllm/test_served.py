@@ -89,9 +89,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def local_engine(vllm_folder, tiny_lm_dir, tiny_vllm_lm):
+def local_engine(vllm_folder, tiny_lm_dir, tiny_vllm_lm, tiny_engine):
     """This module's own in-process engine (the reference answers): an engine the session's other
-    modules created may have seen vLLM's process-wide parallel state torn down by then."""
+    modules created may have seen vLLM's process-wide parallel state torn down by then.
+
+    It is made after the session's `tiny_engine`, which the RCLC test binds agents to: a second
+    in-process engine on the same folder reports a tokenizer with one more token (vocab 506, not
+    the checkpoint's 505), so an agent on it and one on the HF model fail the same-vocabulary
+    check. Run with the whole of tests/vllm, an earlier module made `tiny_engine` first; run alone,
+    this module did not, and the RCLC test failed. Requesting it here makes the order explicit."""
     from ilcp.engines.vllm import create_engine
 
     return create_engine(tiny_lm_dir, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
