@@ -1,4 +1,4 @@
-"""Refusals found by a later fault campaign (docs/bad-inputs.md rows 153-170): a batch of contexts
+"""Refusals found by a later fault campaign (docs/bad-inputs.md rows 153-169): a batch of contexts
 bounded by its total characters before any is tokenised, eval's export key and output folder,
 ``--resume`` on a last.ckpt that is not a checkpoint file, and messages that name the right file
 and remedy. Each refusal is one line that names the thing at fault; nothing is written."""
