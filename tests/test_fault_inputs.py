@@ -1,7 +1,8 @@
-"""Refusals found by a later fault campaign (docs/bad-inputs.md rows 153-169): a batch of contexts
-bounded by its total characters before any is tokenised, eval's export key and output folder,
-``--resume`` on a last.ckpt that is not a checkpoint file, and messages that name the right file
-and remedy. Each refusal is one line that names the thing at fault; nothing is written."""
+"""Refusals found by a later fault campaign (docs/bad-inputs.md rows 153-168 and 179-180): a batch
+of contexts bounded by its total characters before any is tokenised, eval's export key and output
+folder, ``--resume`` on a last.ckpt that is not a checkpoint file, messages that name the right
+file and remedy, and an export's LM checked by its fingerprint before its weights are read when it
+is served. Each refusal is one line that names the thing at fault; nothing is written."""
 
 import hashlib
 import json
@@ -355,6 +356,78 @@ def test_an_export_of_another_lm_is_refused_by_its_fingerprint_before_its_tensor
     assert f"the LM given has fingerprint {other.fingerprint}" in str(info.value)
     with pytest.raises(ExportError, match="prompt_tuned.safetensors: soft_prompt has shape"):
         ILCPHandoff.from_pretrained(run, lm=tiny_lm)  # the same LM: the tensor's own fault is named
+
+
+def saved_lm(model, tokenizer, directory: Path) -> Path:
+    """A model directory as `python -m ilcp serve --model-dir` reads it."""
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def spoil_weights(run: Path) -> None:
+    """Flip a byte of model.safetensors, leaving its digest in config.json as it was."""
+    data = bytearray((run / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (run / "model.safetensors").write_bytes(bytes(data))
+
+
+def test_serve_names_another_lm_by_its_fingerprint_before_reading_any_weights(tiny_run, tiny_lm, tmp_path):
+    """`serve_command` with another LM's directory: the fingerprint is the refusal, even when the
+    export's weights file is spoiled too (it was never read); the run's own LM then meets the
+    spoiled file, so the export is still read whole before it is served."""
+    from ilcp.engines.served import serve_command
+
+    run = copy_run(tiny_run, tmp_path)
+    spoil_weights(run)
+    model, tokenizer = build_tiny_qwen3(seed=1)
+    other = saved_lm(model, tokenizer, tmp_path / "other-lm")
+    with pytest.raises(ExportError, match="trained on LM 'tiny-qwen3' with fingerprint") as info:
+        serve_command(run, model_dir=other)
+    assert "model.safetensors" not in str(info.value)
+    same = saved_lm(tiny_lm.model, tiny_lm.tokenizer, tmp_path / "same-lm")
+    with pytest.raises(ExportError, match="model.safetensors"):
+        serve_command(run, model_dir=same)
+    command = serve_command(tiny_run.run_dir, model_dir=same, port=8123)
+    assert command[command.index("--model") + 1] == str(same) and "--enable-prompt-embeds" in command
+
+
+def test_a_served_receiver_names_a_server_of_another_lm_before_reading_any_weights(tiny_run, tiny_lm, tmp_path):
+    """`ServedReceiver.from_pretrained` against a server that serves another LM's fingerprint: the
+    mismatch is the refusal, before the (spoiled) weights file of the export is read."""
+    import http.server
+    import threading
+
+    from ilcp.engines.served import ModelMismatchError, ServedReceiver, served_model_name, table_digest
+
+    run = copy_run(tiny_run, tmp_path)
+    spoil_weights(run)
+    directory = saved_lm(tiny_lm.model, tiny_lm.tokenizer, tmp_path / "lm")
+    name = served_model_name("0123456789abcdef", table_digest(tiny_lm.model.get_input_embeddings().weight,
+                                                                tiny_lm.tokenizer))
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": name, "max_model_len": 512}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        with pytest.raises(ModelMismatchError, match="serves LM 0123456789abcdef"):
+            ServedReceiver.from_pretrained(run, url, model_dir=directory, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("path", [None, 5, b"checkpoints/tiny", ""])

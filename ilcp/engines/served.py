@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from ..checks import positive_int, text_input
 from ..decoding import cut_answer, decoded_answer, stop_token_ids
-from ..export import read_export
+from ..export import read_config, read_export
 from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM, tensor_bytes, vocab_hash
 from ..names import DEFAULT_LM
@@ -494,15 +494,17 @@ class ServedReceiver:
             ServerError: no answer from the server within ``timeout``.
             ModelMismatchError: the server serves another LM or another embedding table.
         """
-        run = read_export(path, key=export_key)
-        spec = run.config["lm"]
+        # config.json alone first: the server must serve the run's LM (its fingerprint, stated by
+        # the server for this very table) before any weights file of the export is read.
+        config = read_config(path, key=export_key)
+        spec = config["lm"]
         fingerprint = spec["fingerprint"]
         directory = Path(model_dir) if model_dir is not None else resolve_model_dir(spec["spec"], cache_dir)
         lm = load_embedding_lm(directory, dtype=spec.get("dtype", "float32"), spec=spec["spec"])
         decoder = ServedDecoder(server, lm, fingerprint=fingerprint, timeout=timeout)
-        # The server stated this fingerprint for this very table (checked above); the table alone
-        # cannot recompute it, since it covers every weight.
+        # The table alone cannot recompute the fingerprint, since it covers every weight.
         lm.fingerprint = fingerprint
+        run = read_export(path, key=export_key)
         handoff = ILCPHandoff.from_export(run, lm, payload_dtype=payload_dtype, auth_key=auth_key,
                                           max_age=max_age, replay_window=replay_window,
                                           max_payload_latents=max_payload_latents)
@@ -584,12 +586,14 @@ def serve_command(
 
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port!r}")
-    run = read_export(path, key=export_key)
-    spec = run.config["lm"]
+    # The LM's fingerprint is checked against config.json before any weights file is read.
+    config = read_config(path, key=export_key)
+    spec = config["lm"]
     directory = Path(model_dir) if model_dir is not None else resolve_model_dir(spec["spec"], cache_dir)
     dtype = spec.get("dtype", "float32")
     lm = load_lm(str(directory), dtype=dtype)
-    check_fingerprint(run.config, lm.fingerprint)
+    check_fingerprint(config, lm.fingerprint)
+    read_export(path, key=export_key)  # the export must be whole and untampered to be served
     name = served_model_name(lm.fingerprint, table_digest(lm.model.get_input_embeddings().weight, lm.tokenizer))
     return [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
             "--served-model-name", name, "--host", host, "--port", str(port), "--enable-prompt-embeds",
