@@ -40,7 +40,7 @@ def _run(code: str, monkeypatch, tmp_path) -> str:
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, f"README.md snippet", "exec"), {"__name__": "readme_snippet"})
+        exec(compile(code, "README.md snippet", "exec"), {"__name__": "readme_snippet"})
     return out.getvalue()
 
 

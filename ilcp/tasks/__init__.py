@@ -50,6 +50,7 @@ __all__ = [
     "babi_data_dir", "babi_file", "babi_stories", "babi_task_numbers", "babilong_config_key", "babilong_stories",
     "count_tokens", "default_babi_dir", "fact_values", "facts_contexts", "facts_for_length", "file_config_key",
     "held_out",
-    "load_babi", "load_babi_mix", "load_babilong", "load_files", "load_task", "make_facts", "register_task",
+    "load_babi", "load_babi_mix", "load_babilong", "load_files", "load_task", "make_facts", "parse_babi_file",
+    "register_task",
     "resolve_task", "squad_dir", "task_config_key", "task_syntax",
 ]
