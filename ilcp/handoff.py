@@ -54,7 +54,7 @@ from .compat import output_cache_or_none
 from .memory_kinds import memory_kind_of
 from .memory_slots import slot_states
 from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
-from .precision import autocast, resolve
+from .precision import autocast, hold, resolve
 from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
 from .transport import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, TransportPayload, check_key, pack, unpack
@@ -207,7 +207,9 @@ class ILCPHandoff:
                 config.json must carry a signature that verifies under it (`read_export`).
             precision: compute precision of the sender's forward, the encoder and the receiver's
                 decode (`ilcp.precision`: "32-true", "bf16-mixed" or "auto"); default the one
-                the run trained at (config.json ``lm.precision``; "32-true" when absent).
+                the run trained at (config.json ``lm.precision``; "32-true" when absent). An LM
+                loaded here is held in bfloat16 at "bf16-mixed" (`ilcp.precision.hold`); one
+                passed in is left as it is.
 
         Raises:
             ExportError: not an export (``path`` not a str or os.PathLike included), no ILCP
@@ -223,7 +225,8 @@ class ILCPHandoff:
                 f"{str(path)!r} holds no ILCP weights (files: {sorted(config['files'])}); "
                 "train with 'ilcp' among handoff.variants"
             )
-        if lm is None:
+        loaded = lm is None
+        if loaded:
             if tokenizer is not None:
                 raise ValueError("a tokenizer was given without its model: pass lm=model as well")
             lm = load_export_lm(config, Path(path) / CONFIG_FILE, device=device or "cpu", cache_dir=cache_dir)
@@ -240,9 +243,12 @@ class ILCPHandoff:
         # with the same hidden size would otherwise meet a shape check of its tensors first.
         check_fingerprint(config, lm.fingerprint)
         run = read_export(path, key=export_key)
-        return cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
-                               precision=precision, max_age=max_age, replay_window=replay_window,
-                               max_payload_latents=max_payload_latents)
+        handoff = cls.from_export(run, lm, device=device, payload_dtype=payload_dtype, auth_key=auth_key,
+                                  precision=precision, max_age=max_age, replay_window=replay_window,
+                                  max_payload_latents=max_payload_latents)
+        if loaded:  # an LM loaded here is this handoff's own: held once in its compute dtype
+            hold(lm, handoff.precision)
+        return handoff
 
     @classmethod
     def from_export(cls, run: ExportedRun, lm: LM, *, device: str | torch.device | None = None,

@@ -13,10 +13,20 @@ The setting (`trainer.precision` in a training config, ``--precision`` in eval, 
 results.json). Lightning's trainers take the resolved name as is; code outside a trainer enters
 `autocast` around its forwards.
 
-    from ilcp.precision import autocast, resolve
-    precision = resolve("auto", device)        # "bf16-mixed" on an AMX CPU
+Autocast alone casts every float32 weight of the frozen LM to bfloat16 at every forward: on a
+short request that recast costs more than the bfloat16 matmuls save. `hold` casts them once: the
+frozen LM's linear layers (the LM head included) keep bfloat16 copies of their weights, its
+embedding table and norms stay float32, and its forwards always run under bfloat16 autocast, so a
+held LM computes exactly what autocast over its float32 weights computes, without the recast.
+The fingerprint is the float32 weights' (taken before the cast). The entry points that load
+their own LM hold it at a bfloat16 precision (training, eval, `ILCPHandoff.from_pretrained`); an
+LM a caller passes in is left as it is (autocast recasts it) unless the caller holds it:
+
+    from ilcp.precision import autocast, hold, resolve
+    precision = resolve("auto", device)        # "bf16-mixed" on an AVX512-BF16 or AMX CPU
+    hold(lm, precision)                        # once; nothing for "32-true"
     with autocast(precision, device):
-        out = model(input_ids)
+        out = lm.model(input_ids)
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ from pathlib import Path
 
 from .names import PRECISIONS
 
-__all__ = ["PRECISIONS", "autocast", "check_precision", "cpu_has_native_bf16", "native_bf16", "resolve"]
+__all__ = ["PRECISIONS", "autocast", "check_precision", "cpu_has_native_bf16", "held_dtype", "hold", "native_bf16",
+           "resolve"]
 
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -87,3 +98,61 @@ def autocast(precision: str, device="cpu"):
     if resolve(precision, device) == "32-true":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+_HELD = "_ilcp_held_dtype"  # set on a held model: the dtype its linear weights are held in
+
+
+def held_dtype(model):
+    """The dtype a model's linear weights are held in by `hold`, or None for a model not held."""
+    return getattr(model, _HELD, None)
+
+
+def hold(lm, precision: str) -> int:
+    """Hold a frozen LM (an `ilcp.lm.LM`) in the compute dtype of ``precision``, once.
+
+    At ``"bf16-mixed"`` (resolved on the LM's device) every ``nn.Linear`` weight and bias of the
+    model is replaced by a frozen bfloat16 copy (a head tied to the embedding table gets its own
+    copy; the table stays float32), and the model's forward (and its base model's) runs under
+    bfloat16 autocast whoever calls it. Autocast computes those matmuls in bfloat16 anyway, so
+    the outputs are the ones autocast gives over the float32 weights. Nothing is done at
+    ``"32-true"``, for an LM already in half precision, or for a model already held.
+
+    Returns the number of linear layers cast. The LM's fingerprint is computed first, from the
+    float32 weights, so payloads and exports keep naming the same LM.
+    """
+    import torch
+    from torch import nn
+
+    if resolve(precision, lm.device) == "32-true" or lm.dtype != torch.float32 or held_dtype(lm.model) is not None:
+        return 0
+    lm.fingerprint  # noqa: B018 -- cached from the float32 weights before any is cast
+    model = lm.model
+    cast = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+            module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias.detach().to(torch.bfloat16), requires_grad=False)
+            cast += 1
+    base = getattr(model, "base_model", None)
+    for module in {id(m): m for m in (model, base) if isinstance(m, nn.Module)}.values():
+        module.forward = _under_autocast(module)
+    setattr(model, _HELD, torch.bfloat16)
+    return cast
+
+
+def _under_autocast(module):
+    """``module.forward`` run under bfloat16 autocast on the device the module is on when called
+    (a trainer may move it after it was held)."""
+    import torch
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def held_forward(*args, **kwargs):
+        device_type = module.get_input_embeddings().weight.device.type
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    return held_forward

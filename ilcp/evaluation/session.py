@@ -19,7 +19,7 @@ from ..export import CONFIG_FILE, ExportError, check_fingerprint, load_export_lm
 from ..handoff import ILCPHandoff
 from ..lm import LM
 from ..names import split_task_names
-from ..precision import resolve
+from ..precision import hold, resolve
 from ..tasks import EvalTaskContext, Task, resolve_task
 from ..vllm_engine import require_vllm
 from .decoders import require_engine, start_vllm
@@ -190,14 +190,18 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
             runnable.append(m)
 
     # The LM and the run's modules.
-    if lm is None:
+    loaded = lm is None
+    if loaded:
         dev = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         say(f"loading LM {run_config['lm']['spec']!r} ({run_config['lm'].get('dtype', 'float32')}, {dev})")
         lm = load_export_lm(run_config, ckpt / CONFIG_FILE, device=dev)
     check_fingerprint(run_config, lm.fingerprint)
     run = read_export(ckpt, config.export_key)
     precision = resolve(config.precision or str(run_config["lm"].get("precision", "32-true")), lm.device)
-    say(f"compute precision {precision}")
+    if loaded and hold(lm, precision):  # the LM this eval loaded: its weights cast to bfloat16 once
+        say(f"compute precision {precision}, the LM's linear weights held in bfloat16")
+    else:
+        say(f"compute precision {precision}")
     handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=config.payload_dtype, precision=precision)
                if run.encoder is not None else None)
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=config.max_new_tokens)

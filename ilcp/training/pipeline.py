@@ -34,6 +34,7 @@ from .. import export
 from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
+from ..precision import hold
 from .compressor_stage import train_compressor
 from .data import HandoffDataModule, latent_bound, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
@@ -75,7 +76,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         raised = _check_run_dir(cfg, resume, overwrite, discard_last)
         check_accelerator(cfg.trainer)
         if lm is None:  # an LM spec that does not load fails here, before anything is written or deleted
-            lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
+            lm = load_run_lm(cfg)
         check_pool_layers(cfg, lm)
         _prepare_run_dir(cfg, resume, overwrite, discard_last, raised)
     procs.launch()
@@ -86,6 +87,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         raise
     procs.finish()
     return result
+
+
+def load_run_lm(cfg: TrainConfig) -> LM:
+    """The run's LM, held once in its compute dtype (`ilcp.precision.hold`): at bf16-mixed every
+    frozen forward of every stage reads bfloat16 weights without recasting them."""
+    lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
+    hold(lm, run_precision(cfg))
+    return lm
 
 
 def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last: bool = False) -> dict:
@@ -219,7 +228,7 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
     # rank 0 first: it converts the LM and extracts the sender states into the caches the others read
     with procs.main_first():
         if lm is None:
-            lm = load_lm(cfg.lm.spec, dtype=cfg.lm.dtype, cache_dir=cfg.lm.cache_dir)
+            lm = load_run_lm(cfg)
         precision = run_precision(cfg)
         say(f"LM {lm.spec}: fingerprint {lm.fingerprint}, hidden {lm.hidden_size}, dtype {lm.dtype}, compute "
             f"precision {precision}")
