@@ -323,7 +323,8 @@ def _extract_to(out: Path, lm: LM, texts: Sequence[str], *, tokens: bool, batch_
               "enable_progress_bar": bars(progress), "enable_model_summary": False}
     kwargs.update(trainer_kwargs or {})
     shards = out.parent / f"{out.name}.shards"
-    shards.mkdir(parents=True)
+    shards.mkdir(parents=True, exist_ok=True)
+    trainer = None
     try:
         with Ticker("sender states", total=len(texts), unit="rows", enabled=lines(progress)) as tick:
             writer = _ShardWriter(shards, tick)
@@ -335,7 +336,8 @@ def _extract_to(out: Path, lm: LM, texts: Sequence[str], *, tokens: bool, batch_
         if trainer.global_rank == 0:
             writer.merge(out, len(texts), lm.hidden_size * len(layers), dtype, tokens=tokens, metadata=metadata)
     finally:
-        shutil.rmtree(shards, ignore_errors=True)
+        if trainer is None or trainer.global_rank == 0:  # rank 0 merges the other ranks' shards too
+            shutil.rmtree(shards, ignore_errors=True)
 
 
 def _in_memory(lm: LM, texts: Sequence[str], *, tokens: bool, **kwargs):
