@@ -67,6 +67,8 @@ class DataConfig:
     pool_batch_size: int = _f(16, "contexts per forward of sender-state extraction")
     pool_batch_tokens: int = _f(16384, "at most this many padded positions per extraction forward (long contexts "
                                        "go a few, or one, at a time)")
+    cache_dtype: str = _f("auto", "dtype the sender states are cached in: auto (bfloat16 when the run computes in "
+                                  "bfloat16, else float32), float32 or bfloat16; part of the cache key")
     seed: int = _f(0, "seed of the validation split and of procedural tasks")
     columns: dict = _f({}, "file tasks: the file's column for each standard name, e.g. {context: passage, answer: "
                            "gold} (data.columns.context=passage); unmapped names are read as they are")
@@ -117,6 +119,8 @@ class DataConfig:
                      "facts_n_facts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"data.cache_dtype must be auto, float32 or bfloat16, got {self.cache_dtype!r}")
         if self.max_length < 0:
             raise ValueError(f"data.max_length must be >= 0 (0 = the LM's own limit), got {self.max_length}")
         if self.facts_value_split not in (None, "train"):

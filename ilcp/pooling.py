@@ -206,34 +206,58 @@ def layer_states(outputs, layers: Sequence[int] = (-1,)) -> Tensor:
 class TokenStates:
     """Token states of N contexts of different lengths, stored flat.
 
-    Row i is ``flat[offsets[i]:offsets[i + 1]]``, a (S_i, D) tensor.
+    Row i is ``flat[offsets[i]:offsets[i + 1]]``, a (S_i, D) tensor. ``flat`` may be a memory map
+    of the cache file (`ilcp.training.extraction`): a row is read from it when asked for, never
+    the whole. ``rows`` picks and orders a subset of the stored rows (`take`) without copying.
     """
 
-    def __init__(self, flat: Tensor, offsets: Tensor):
+    def __init__(self, flat: Tensor, offsets: Tensor, rows: Tensor | None = None):
         if flat.dim() != 2 or offsets.dim() != 1 or offsets.numel() < 1:
             raise ValueError("TokenStates needs flat (T, D) states and offsets (N + 1,)")
         if int(offsets[0]) != 0 or int(offsets[-1]) != flat.shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
             raise ValueError(f"offsets must rise from 0 to {flat.shape[0]}")
+        if rows is not None and rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < offsets.numel() - 1):
+            raise ValueError(f"rows must index the {offsets.numel() - 1} stored rows")
         self.flat, self.offsets = flat, offsets.long()
+        self.rows = None if rows is None else rows.long()
 
     @property
     def dim(self) -> int:
         return self.flat.shape[1]
 
     def __len__(self) -> int:
-        return self.offsets.numel() - 1
+        return self.offsets.numel() - 1 if self.rows is None else self.rows.numel()
 
     def __getitem__(self, i: int) -> Tensor:
-        return self.flat[int(self.offsets[i]): int(self.offsets[i + 1])]
+        if not -len(self) <= int(i) < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        j = int(i) % len(self) if self.rows is None else int(self.rows[i])
+        return self.flat[int(self.offsets[j]): int(self.offsets[j + 1])]
 
     def lengths(self) -> Tensor:
-        return self.offsets[1:] - self.offsets[:-1]
+        stored = self.offsets[1:] - self.offsets[:-1]
+        return stored if self.rows is None else stored[self.rows]
 
-    def mean(self) -> Tensor:
-        """The masked mean of every row: (N, D) float32."""
-        index = torch.repeat_interleave(torch.arange(len(self)), self.lengths())
-        sums = torch.zeros((len(self), self.dim), dtype=torch.float32).index_add_(0, index, self.flat.float())
-        return sums / self.lengths().clamp(min=1).unsqueeze(-1).float()
+    @property
+    def tokens(self) -> int:
+        """The token states of the rows held (T for the whole store)."""
+        return int(self.lengths().sum())
+
+    def take(self, index: Sequence[int]) -> "TokenStates":
+        """These rows, in this order, over the same storage (nothing copied)."""
+        index = torch.as_tensor(list(index), dtype=torch.long)
+        return TokenStates(self.flat, self.offsets, index if self.rows is None else self.rows[index])
+
+    def mean(self, chunk: int = 256) -> Tensor:
+        """The masked mean of every row: (N, D) float32, read `chunk` rows at a time."""
+        out = torch.zeros((len(self), self.dim), dtype=torch.float32)
+        for start in range(0, len(self), chunk):
+            rows = [self[i] for i in range(start, min(start + chunk, len(self)))]
+            lengths = torch.tensor([r.shape[0] for r in rows])
+            index = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+            sums = out[start:start + len(rows)].index_add_(0, index, torch.cat(rows).float())
+            sums /= lengths.clamp(min=1).unsqueeze(-1).float()
+        return out
 
 
 def pad_token_states(rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -298,9 +322,14 @@ def sender_token_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     return layer_states(out, layers)
 
 
+TOKENIZE_CHUNK = 256  # contexts tokenized at once where only counts are kept (bounds memory)
+
+
 def context_lengths(tokenizer, texts: Sequence[str]) -> list[int]:
     """Each context's token count, as the sender tokenizes it (no special tokens)."""
-    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    texts = list(texts)
+    return [len(ids) for start in range(0, len(texts), TOKENIZE_CHUNK)
+            for ids in tokenizer(texts[start:start + TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]]
 
 
 def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:

@@ -100,3 +100,53 @@ def test_settings_two_devices_cannot_run_are_refused_before_anything_starts(tmp_
     assert not (tmp_path / "tiny").exists()
     with pytest.raises(ValueError, match="ddp_spawn"):
         load_config(TINY, base + ["trainer.strategy=ddp_spawn"])
+
+
+_READ_BY_TWO_RANKS = """
+import json, sys
+from pathlib import Path
+from ilcp.cli import setup_logging
+from ilcp.config import load_config
+from ilcp.lm import load_lm
+from ilcp.training.data import prepare_data
+from ilcp.training.distributed import Processes, rank
+
+setup_logging()
+out = Path(sys.argv[1])
+cfg = load_config(sys.argv[2], [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "trainer.devices=2",
+                                "trainer.strategy=ddp"])
+procs = Processes(cfg.trainer)
+procs.launch()
+lm = load_lm(cfg.lm.spec)
+with procs.main_first():  # as a run does: rank 0 extracts, then the other rank reads the cache
+    train_rows, _ = prepare_data(cfg, lm)
+flat = train_rows.states.flat
+mapped = []  # the file mapping that holds the states' first byte
+for line in Path("/proc/self/maps").read_text().splitlines():
+    parts = line.split()
+    if len(parts) >= 6 and parts[5].endswith(".safetensors"):
+        low, high = (int(x, 16) for x in parts[0].split("-"))
+        if low <= flat.data_ptr() < high:
+            mapped.append([parts[5], parts[4]])
+found = {"rank": rank(), "mapped": mapped, "sum": float(train_rows.states.mean().sum())}
+(out / f"rank{rank()}.json").write_text(json.dumps(found))
+procs.finish()
+"""
+
+
+def test_two_ranks_read_the_one_memory_mapped_cache(tmp_path):
+    """Both ranks of a two-process run read the training states through a memory map of the same
+    cache file (one inode, in the page cache once), not a copy each."""
+    script = tmp_path / "read_by_two_ranks.py"
+    script.write_text(_READ_BY_TWO_RANKS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ILCP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(TINY)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(len(r["mapped"]) == 1 for r in ranks), ranks
+    assert ranks[0]["mapped"] == ranks[1]["mapped"], "each rank maps the same file (path and inode)"
+    assert ranks[0]["sum"] == ranks[1]["sum"]
+    assert len(list((tmp_path / "cache" / "pooled").glob("*.safetensors"))) == 2  # extracted once, by rank 0
+    assert proc.stderr.count("computed in") == 2 and "refused" not in proc.stderr

@@ -1,5 +1,7 @@
 """Masked mean pooling, batched extraction and the pooled-state cache."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,12 +102,11 @@ def test_cache_key_covers_task_length_layers_and_rows(tiny_lm, tmp_path):
 
 
 def test_a_failed_write_leaves_nothing_behind(tiny_lm, tmp_path, monkeypatch):
-    import ilcp.io
-
-    def failing_save(*a, **k):
+    def failing_save(path, *a, **k):
+        Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ilcp.io, "save_file", failing_save)
+    monkeypatch.setattr(extraction, "write_safetensors", failing_save)
     with pytest.raises(OSError, match="disk full"):
         cached_pooled_states(tiny_lm, TEXTS, ["a", "b", "c"], {"task": "x"}, cache_dir=tmp_path, progress=False)
     assert list((tmp_path / "pooled").iterdir()) == []

@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
-
 from ..decoding import greedy_decode
 from ..engines.vllm import VLLMDecoder
 from ..pooling import context_lengths
+from ..progress import tracked
 from .decoders import compare, vllm_unavailable
 from .rclc_methods import SenderStates
 from .registry import HandoffMethod
@@ -108,7 +107,8 @@ def accuracy(method: HandoffMethod, rows: Sequence[dict], *, batch_size: int, ma
     it too: ``metrics["vllm"]`` (`compare`, or ``{"unavailable": why}``) and its predictions.
     ``open_text``: scored as SQuAD (the task's answers are open text)."""
     acc = Accuracy(method, max_new_tokens, batch_size, vllm, open_text)
-    for start in tqdm(range(0, len(rows), CHUNK), desc=desc, disable=not progress, leave=False):
+    for start in tracked(range(0, len(rows), CHUNK), desc, progress=progress, total=len(rows),
+                         size=lambda start: min(CHUNK, len(rows) - start)):
         acc.add(rows[start:start + CHUNK])
     return acc.result(rows)
 
@@ -126,7 +126,8 @@ def accuracy_shared(methods: Sequence[HandoffMethod], rows: Sequence[dict], stat
     per_chunk = max(1, min(CHUNK, states.capacity, states.max_positions // max(max(lengths, default=1), 1)))
     accs = [Accuracy(m, max_new_tokens, batch_size, vllm, open_text) for m in methods]
     seconds = [0.0] * len(methods)
-    for start in tqdm(range(0, len(rows), per_chunk), desc=desc, disable=not progress, leave=False):
+    for start in tracked(range(0, len(rows), per_chunk), desc, progress=progress, total=len(rows),
+                         size=lambda start: min(per_chunk, len(rows) - start)):
         chunk = rows[start:start + per_chunk]
         for i, acc in enumerate(accs):
             t0 = time.perf_counter()

@@ -52,6 +52,7 @@ from ..io import atomic_write_text
 from ..lm import LM
 from ..pooling import context_lengths
 from ..precision import autocast
+from ..progress import keep_talking, lines
 from ..provenance import provenance
 from ..tasks import EvalRows, Task
 from .batching import accuracy, accuracy_shared
@@ -113,6 +114,11 @@ def evaluate(
         config = replace(config, **settings)
     elif not isinstance(config, EvalConfig):
         raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
+    with keep_talking("evaluation", enabled=lines(config.progress)):
+        return _evaluate(ckpt, config, lm, vllm, log, t_start)
+
+
+def _evaluate(ckpt, config: EvalConfig, lm: LM | None, vllm: VLLMDecoder | None, log, t_start: float) -> dict:
     session = open_session(ckpt, config, lm=lm, vllm=vllm, log=log)
     lm = session.lm
     results: dict = {

@@ -6,8 +6,7 @@ throughput (`throughput_table`), time to first token against context length
 
 from __future__ import annotations
 
-from tqdm.auto import tqdm
-
+from ..progress import tracked
 from ..stats import latency_summary
 from ..tasks import count_tokens, facts_for_length, make_facts
 from .batching import accuracy
@@ -82,7 +81,7 @@ def context_length_sweep(session: EvalSession) -> dict | None:
                 time_request(m, rows[0], max_new_tokens=max_new_tokens)
                 warmed.add(m.name)
             timed = [time_request(m, r, max_new_tokens=max_new_tokens)
-                     for r in tqdm(rows, desc=f"length {target} {m.name}", disable=not cfg.progress, leave=False)]
+                     for r in tracked(rows, f"length {target} {m.name}", progress=cfg.progress)]
             rows_out.append({
                 "method": m.name, "target_tokens": target, "context_tokens": tokens, **settings,
                 "prefill_positions": sum(t.prefill_positions for t in timed) / len(timed),

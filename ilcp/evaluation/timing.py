@@ -7,9 +7,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 from ..decoding import decode_one
+from ..progress import tracked
 from ..stats import latency_summary
 from .registry import HandoffMethod
 
@@ -57,7 +56,7 @@ def latency(method: HandoffMethod, rows: Sequence[dict], max_new_tokens: int, pr
         return {"n": 0, **{k: latency_summary([]) for k in ("sender_s", "receiver_ttft_s", "receiver_total_s", "handoff_s")}}
     time_request(method, rows[0], max_new_tokens=max_new_tokens)  # warm-up: allocations, kernels
     timed = [time_request(method, r, max_new_tokens=max_new_tokens)
-             for r in tqdm(rows, desc=desc, disable=not progress, leave=False)]
+             for r in tracked(rows, desc, progress=progress)]
     summary = {
         "n": len(timed),
         "sender_s": latency_summary([t.sender_s for t in timed]),

@@ -3,7 +3,8 @@
 A row is ``{context, question, answer}`` plus the sender's states of its context: the states of
 every context token (`TokenStates`, what an attention pooler reads) or, for mean pooling, the
 mean computed ahead of time, (N, D). Both come from the frozen LM through
-`ilcp.training.extraction` (a Lightning predict loop and its on-disk cache).
+`ilcp.training.extraction` (a Lightning predict loop and its on-disk cache) and are memory maps of
+the cache file: a batch reads its rows from it, as float32.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..pooling import AttentionPooler, TokenStates, context_lengths, pad_token_s
 from ..babilong import story_token_mask
 from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
-from .extraction import cached_pooled_states, cached_token_states
+from .extraction import cache_dtype, cached_pooled_states, cached_token_states
 from .log import run_precision, say
 
 
@@ -99,15 +100,16 @@ def collate_rows(items: list[dict]) -> dict:
     }
     if "states" not in items[0]:
         return batch
-    if items[0]["states"].dim() == 2:
+    if items[0]["states"].dim() == 2:  # rows of a memory-mapped cache, maybe bfloat16: float32 batches
         batch["tokens"], batch["token_mask"] = pad_token_states([it["states"] for it in items])
+        batch["tokens"] = batch["tokens"].float()
         if "story_mask" in items[0]:
             story = torch.zeros(batch["token_mask"].shape, dtype=torch.bool)
             for i, it in enumerate(items):
                 story[i, : len(it["story_mask"])] = it["story_mask"]
             batch["story_mask"] = story
     else:
-        batch["pooled"] = torch.stack([it["states"] for it in items])
+        batch["pooled"] = torch.stack([it["states"] for it in items]).float()
     return batch
 
 
@@ -117,14 +119,22 @@ def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens:
     """Every row's pooled state (N, D) float32 (the masked mean, or `pooler`'s output), or with
     ``chunk_tokens > 0`` that of every chunk of every row (U, D)."""
     if not rows.has_token_states:
-        return pool_states(pooler, rows.states)
+        return pool_states(pooler, rows.states)  # a float32 copy of the pooled states
     if pooler is None and chunk_tokens == 0:
         return rows.states.mean()
-    out = []
+    lengths = rows.states.lengths()
+    units = len(rows) if chunk_tokens == 0 else int(((lengths + chunk_tokens - 1) // chunk_tokens).clamp(min=1).sum())
+    # filled in place: results kept between the batches' temporaries would fragment the heap
+    out = torch.empty((units, pooler.output_dim if pooler is not None else rows.state_dim), dtype=torch.float32)
+    at = 0
     for start in range(0, len(rows), batch_size):
         states, mask = pad_token_states([rows.states[i] for i in range(start, min(start + batch_size, len(rows)))])
-        out.append(pool_units(pooler, chunk_tokens, states, mask))
-    return torch.cat(out)
+        pooled = pool_units(pooler, chunk_tokens, states.float(), mask)
+        out[at:at + len(pooled)] = pooled
+        at += len(pooled)
+    if at != units:
+        raise RuntimeError(f"pooled {at} units where the rows' lengths give {units}")
+    return out
 
 
 # An export's latent bound: LATENT_BOUND_FACTOR x the largest |z| over the first LATENT_BOUND_ROWS
@@ -269,12 +279,14 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
             cache_dir=cfg.lm.cache_dir, max_length=max_length, layers=cfg.data.pool_layers,
             batch_size=cfg.data.pool_batch_size, max_batch_tokens=cfg.data.pool_batch_tokens,
             progress=cfg.trainer.progress, precision=run_precision(cfg),
+            dtype=cache_dtype(cfg.data.cache_dtype, run_precision(cfg), cfg.lm.dtype),
         )
         cut = sum(n > max_length for n in context_lengths(lm.tokenizer, [r["context"] for r in rows]))
         if cut:
             say(f"{split}: {cut} of {len(rows)} contexts are longer than data.max_length={max_length} "
                 "tokens: the sender reads their last tokens")
-        what = f"token states ({states.flat.shape[0]} tokens)" if tokens else f"pooled states {tuple(states.shape)}"
+        what = (f"token states ({states.tokens} tokens, {str(states.flat.dtype).removeprefix('torch.')})" if tokens
+                else f"pooled states {tuple(states.shape)} {str(states.dtype).removeprefix('torch.')}")
         say(f"{split}: {len(rows)} rows; {what} "
             f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
         masks = None

@@ -1,5 +1,5 @@
 """Sender states of a task's contexts for training: batched extraction through a Lightning
-predict loop, and an on-disk cache.
+predict loop, and an on-disk cache read through a memory map.
 
     from ilcp.lm import load_lm
     from ilcp.training.extraction import pooled_states
@@ -8,11 +8,21 @@ predict loop, and an on-disk cache.
 
 Extraction runs the sender's forward (`ilcp.pooling.sender_token_states`) through a Lightning
 predict loop, so the same code uses any Trainer strategy (pass ``trainer_kwargs={"devices": 4,
-"strategy": "ddp"}``); each rank writes its shard and the shards are merged by row index.
-`cached_pooled_states` keys the result by the LM fingerprint, the task configuration, the maximum
-length and the layers, and a second call reads it back without a forward pass. `token_states` /
+"strategy": "ddp"}``). Each rank appends every batch's states to its own shard as the batch ends,
+and the shards are merged into one safetensors file by streaming them in row order: no step holds
+more than a batch of states, nor every context's token ids as Python lists (they are one int32
+array). `cached_pooled_states` keys the file by the LM fingerprint, the task configuration, the
+maximum length, the layers and the stored dtype (`cache_dtype`: bfloat16 when the run computes in
+bfloat16), and a second call reads it back without a forward pass. `token_states` /
 `cached_token_states` do the same for the unpooled states of every real token (what an
 `AttentionPooler` trains on), stored flat as `TokenStates`.
+
+A cache file is never loaded whole: its tensors are memory maps (`read_cache`), so training
+batches read their rows from the file, the page cache holds what was read once for every process
+of a run, and a process's own memory does not grow with the rows. A file is written to a folder
+of its own next to the cache and renamed into place when complete, so a kill leaves no file a
+later run reads; one that does not match what is asked (another key, other rows, dtype, sizes,
+truncated) is refused with one line saying why, and computed again.
 """
 
 from __future__ import annotations
@@ -20,33 +30,67 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..io import atomic_save_safetensors
 from ..lm import LM, default_cache_dir
-from ..pooling import (TokenStates, length_batches, masked_mean_pool, pad_id_of, pad_right, sender_token_states,
-                       tokenize_contexts)
+from ..pooling import (TOKENIZE_CHUNK, TokenStates, length_batches, masked_mean_pool, pad_id_of, pad_right,
+                       sender_token_states, tokenize_contexts)
+from ..progress import Ticker, bars, lines
+from .log import say
+
+CACHE_FORMAT = 2  # 2: the stored dtype is part of the key; the file is written by streaming
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# safetensors' names of the dtypes a cache holds, and the numpy dtype each is mapped as
+_STORED = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+_MAPPED = {"F32": (np.float32, None), "BF16": (np.int16, torch.bfloat16), "I64": (np.int64, None)}
 
 
-class _Texts(Dataset):
-    def __init__(self, ids: list[list[int]]):
-        self.ids = ids
+def cache_dtype(setting: str, precision: str, lm_dtype: str = "float32") -> str:
+    """The dtype sender states are stored in: ``setting`` (`data.cache_dtype`), whose ``auto`` is
+    bfloat16 when the run computes in bfloat16 (``bf16-mixed``, or an LM whose weights are
+    bfloat16) and float32 otherwise."""
+    if setting == "auto":
+        return "bfloat16" if precision == "bf16-mixed" or lm_dtype == "bfloat16" else "float32"
+    if setting not in CACHE_DTYPES:
+        raise ValueError(f"the sender-state cache dtype must be auto, {' or '.join(CACHE_DTYPES)}, got {setting!r}")
+    return setting
+
+
+def token_ids(tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every context's token ids (its last `max_length`), as one flat int32 array and row offsets
+    (N + 1,) int64; tokenized a chunk of contexts at a time."""
+    parts, lengths = [], [np.zeros(1, dtype=np.int64)]
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        ids = tokenize_contexts(tokenizer, texts[start:start + TOKENIZE_CHUNK], max_length)
+        lengths.append(np.array([len(seq) for seq in ids], dtype=np.int64))
+        parts.append(np.fromiter((t for seq in ids for t in seq), dtype=np.int32, count=int(lengths[-1].sum())))
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return flat, np.cumsum(np.concatenate(lengths))
+
+
+class _Contexts(Dataset):
+    """(row index, token ids) of the rows in `order`."""
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, order: np.ndarray):
+        self.ids, self.offsets, self.order = ids, offsets, order
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.order)
 
-    def __getitem__(self, i: int):
-        return i, self.ids[i]
+    def __getitem__(self, pos: int):
+        i = int(self.order[pos])
+        return i, self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
 
 
 def _collate(pad_id: int):
@@ -59,58 +103,190 @@ def _collate(pad_id: int):
 
 
 class PoolingModule(L.LightningModule):
-    """Wraps the frozen LM for `Trainer.predict`; returns pooled states per batch, or with
-    ``tokens=True`` the states of every real token (flat) and each row's length."""
+    """Wraps the frozen LM for `Trainer.predict`; returns each batch's pooled states, or with
+    ``tokens=True`` the states of every real token (flat), with each row's index and length."""
 
-    def __init__(self, model: torch.nn.Module, layers: Sequence[int] = (-1,), tokens: bool = False):
+    def __init__(self, model: torch.nn.Module, layers: Sequence[int] = (-1,), tokens: bool = False,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.model = model
         self.layers = tuple(layers)
         self.tokens = tokens
+        self.dtype_stored = dtype
 
     def predict_step(self, batch, batch_idx):
         mask = batch["attention_mask"]
         states = sender_token_states(self.model, batch["input_ids"], mask, self.layers)
         if self.tokens:  # right padding: the real tokens of each row come first, rows in order
-            return {"index": batch["index"].cpu(), "states": states[mask.bool()].float().cpu(),
+            return {"index": batch["index"].cpu(), "states": states[mask.bool()].to(self.dtype_stored).cpu(),
                     "lengths": mask.sum(-1).cpu()}
-        return {"index": batch["index"].cpu(), "pooled": masked_mean_pool(states, mask).float().cpu()}
+        pooled = masked_mean_pool(states.float(), mask).to(self.dtype_stored).cpu()
+        return {"index": batch["index"].cpu(), "states": pooled, "lengths": torch.ones(len(pooled), dtype=torch.long)}
+
+
+def _raw(t: Tensor) -> memoryview:
+    """A tensor's bytes, little-endian as stored."""
+    return memoryview(t.detach().contiguous().view(torch.uint8).numpy())
 
 
 class _ShardWriter(BasePredictionWriter):
-    """Each rank writes its predictions to one file; `merge` puts rows back in order."""
+    """Each rank appends every batch to its shard as the batch ends: ``rankR.states`` (the rows'
+    states, row after row) and ``rankR.rows`` ((row index, length) int64 pairs); `merge` writes
+    the cache file from the shards in row order."""
 
-    def __init__(self, directory: Path):
-        super().__init__(write_interval="epoch")
-        self.directory = directory
+    def __init__(self, directory: Path, ticker: Ticker):
+        super().__init__(write_interval="batch")
+        self.directory, self.ticker = directory, ticker
 
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
-        tensors = {k: torch.cat([p[k] for p in predictions]) for k in predictions[0]}
-        save_file(tensors, str(self.directory / f"rank{trainer.global_rank}.safetensors"))
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        rank = trainer.global_rank
+        with open(self.directory / f"rank{rank}.states", "ab") as f:
+            f.write(_raw(prediction["states"]))
+        pairs = torch.stack([prediction["index"].long(), prediction["lengths"].long()], dim=1)
+        with open(self.directory / f"rank{rank}.rows", "ab") as f:
+            f.write(_raw(pairs))
+        tokens = int(batch["attention_mask"].sum())
+        self.ticker.update(len(pairs) * trainer.world_size, tokens=tokens * trainer.world_size)
 
-    def merge(self, n: int) -> Tensor:
-        shards = [load_file(str(p)) for p in sorted(self.directory.glob("rank*.safetensors"))]
-        dim = shards[0]["pooled"].shape[1]
-        out = torch.empty((n, dim), dtype=torch.float32)
-        seen = torch.zeros(n, dtype=torch.bool)
-        for s in shards:  # distributed samplers may repeat rows to even out ranks: same values
-            out[s["index"]] = s["pooled"]
-            seen[s["index"]] = True
-        if not bool(seen.all()):
-            raise RuntimeError(f"pooled-state extraction returned {int(seen.sum())} of {n} rows")
-        return out
-
-    def merge_tokens(self, n: int) -> list[Tensor]:
-        """Per-row token states (S_i, D), in row-index order."""
-        rows: list[Tensor | None] = [None] * n
-        for p in sorted(self.directory.glob("rank*.safetensors")):
-            s = load_file(str(p))
-            for i, part in zip(s["index"].tolist(), torch.split(s["states"], s["lengths"].tolist())):
-                rows[i] = part
-        missing = sum(r is None for r in rows)
+    def merge(self, out: Path, n: int, dim: int, dtype: torch.dtype, *, tokens: bool,
+              metadata: dict[str, str] | None = None) -> None:
+        """Write ``out``: ``states`` (T, dim) and ``offsets`` (n + 1,), or with ``tokens=False``
+        ``pooled`` (n, dim); one row at a time from the shards' memory maps."""
+        row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        shard_of = np.full(n, -1, dtype=np.int64)
+        start_of = np.zeros(n, dtype=np.int64)
+        lengths = np.zeros(n, dtype=np.int64)
+        maps = []
+        for s, rows_file in enumerate(sorted(self.directory.glob("rank*.rows"))):
+            pairs = np.fromfile(rows_file, dtype=np.int64).reshape(-1, 2)
+            starts = np.concatenate([[0], np.cumsum(pairs[:, 1])[:-1]]).astype(np.int64)
+            states_file = rows_file.with_suffix(".states")
+            if states_file.stat().st_size != int(pairs[:, 1].sum()) * row_bytes:
+                raise RuntimeError(f"sender-state shard {states_file.name} does not hold the rows it lists")
+            # distributed samplers may repeat rows to even out ranks: the same values, either copy serves
+            shard_of[pairs[:, 0]], start_of[pairs[:, 0]], lengths[pairs[:, 0]] = s, starts, pairs[:, 1]
+            size = states_file.stat().st_size
+            maps.append(np.memmap(states_file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8))
+        missing = int((shard_of < 0).sum())
         if missing:
-            raise RuntimeError(f"token-state extraction missed {missing} of {n} rows")
-        return rows
+            raise RuntimeError(f"sender-state extraction missed {missing} of {n} rows")
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        if tokens:
+            layout = [("offsets", torch.int64, [n + 1]), ("states", dtype, [int(offsets[-1]), dim])]
+        else:
+            layout = [("pooled", dtype, [n, dim])]
+
+        def fill(f, name):
+            if name == "offsets":
+                f.write(memoryview(offsets))
+                return
+            for i in range(n):
+                begin = int(start_of[i]) * row_bytes
+                f.write(maps[shard_of[i]][begin:begin + int(lengths[i]) * row_bytes])
+
+        write_safetensors(out, layout, fill, metadata)
+        maps.clear()  # the shards can be removed now
+
+
+def write_safetensors(path: Path, layout: list[tuple[str, torch.dtype, list[int]]], fill,
+                      metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file written by streaming: the header from ``layout`` ((name, dtype, shape)
+    in file order), then ``fill(file, name)`` writes each tensor's bytes in turn; checked against
+    the layout, flushed to disk."""
+    header, begin, sizes = {}, 0, []
+    for name, dtype, shape in layout:
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _STORED[dtype], "shape": list(shape), "data_offsets": [begin, begin + size]}
+        sizes.append(size)
+        begin += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for (name, _, _), size in zip(layout, sizes):
+            at = f.tell()
+            fill(f, name)
+            if f.tell() - at != size:
+                raise RuntimeError(f"{name}: wrote {f.tell() - at} bytes where the header says {size}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CacheMismatch(ValueError):
+    """A cache file that is not what was asked for (one line saying why)."""
+
+
+def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]]],
+               metadata: dict[str, str] | None = None) -> dict[str, Tensor]:
+    """The tensors of a safetensors cache file as read-only memory maps (copy-on-write: pages are
+    read from the file when touched, never the whole file at once).
+
+    Args:
+        expect: for each tensor, its dtype and shape (None for a size not known ahead).
+        metadata: entries the file's metadata must hold.
+    Raises:
+        CacheMismatch: the file is truncated or too long, not safetensors, or its tensors, dtypes,
+            shapes or metadata differ from what is expected.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        first = f.read(8)
+        if len(first) < 8:
+            raise CacheMismatch(f"truncated: {size} bytes")
+        n = int.from_bytes(first, "little")
+        if 8 + n > size:
+            raise CacheMismatch(f"truncated: {size} bytes, its header alone says {8 + n}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CacheMismatch("not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CacheMismatch("not a safetensors file")
+    found = header.pop("__metadata__", None) or {}
+    for name, value in (metadata or {}).items():
+        if found.get(name) != value:
+            what = {"key": "states of other settings (another run's or another LM's)", "row_ids": "other rows",
+                    "dtype": f"{found.get('dtype')} states where {value} ones are asked"}.get(name, f"another {name}")
+            raise CacheMismatch(f"it holds {what}")
+    if set(header) != set(expect):
+        raise CacheMismatch(f"it holds tensors {sorted(header)}, not {sorted(expect)}")
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if 8 + n + end != size:
+        raise CacheMismatch(f"{'truncated' if 8 + n + end > size else 'too long'}: {size} bytes where its header "
+                            f"says {8 + n + end}")
+    out = {}
+    for name, (dtype, shape) in expect.items():
+        t = header[name]
+        begin, stop = (int(x) for x in t["data_offsets"])
+        if t.get("dtype") != _STORED[dtype]:
+            raise CacheMismatch(f"{name} is {t.get('dtype')}, not {_STORED[dtype]}")
+        got = [int(x) for x in t["shape"]]
+        if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+            raise CacheMismatch(f"{name} has shape {got} where {['*' if w is None else w for w in shape]} is asked")
+        numpy_dtype, view = _MAPPED[_STORED[dtype]]
+        if stop - begin != int(np.prod(got, dtype=np.int64)) * np.dtype(numpy_dtype).itemsize:
+            raise CacheMismatch(f"{name}'s bytes do not match its shape")
+        if stop == begin:
+            tensor = torch.zeros(got, dtype=dtype)
+        else:
+            mapped = np.memmap(path, dtype=numpy_dtype, mode="c", offset=8 + n + begin, shape=tuple(got))
+            tensor = torch.from_numpy(mapped)
+            tensor = tensor.view(view) if view is not None else tensor
+        out[name] = tensor
+    return out
+
+
+def _cache_states(found: dict[str, Tensor], tokens: bool, n: int):
+    """The states a cache file's tensors hold, checked whole where that is cheap."""
+    if not tokens:
+        return found["pooled"]
+    offsets = found["offsets"]
+    if int(offsets[0]) != 0 or int(offsets[-1]) != found["states"].shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
+        raise CacheMismatch(f"its offsets do not rise from 0 to its {found['states'].shape[0]} token states")
+    return TokenStates(found["states"], offsets)
 
 
 class _Batches(Sampler):
@@ -127,39 +303,55 @@ class _Batches(Sampler):
         return len(self.batches)
 
 
-def _extract(lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max_length: int,
-             layers: Sequence[int], trainer_kwargs: dict | None, progress: bool, max_batch_tokens: int | None = None):
-    """One predict pass over `texts` (sorted by length, put back in order afterwards)."""
-    texts = list(texts)
+def _extract_to(out: Path, lm: LM, texts: Sequence[str], *, tokens: bool, batch_size: int, max_length: int,
+                layers: Sequence[int], trainer_kwargs: dict | None, progress: bool,
+                max_batch_tokens: int | None = None, dtype: torch.dtype = torch.float32,
+                metadata: dict[str, str] | None = None) -> None:
+    """One predict pass over `texts` (sorted by length), written to the safetensors file ``out`` in
+    the order given; the shards go to a folder beside it, removed afterwards."""
     if any(not isinstance(t, str) for t in texts):
         raise ValueError("texts must be strings")
-    ids = tokenize_contexts(lm.tokenizer, texts, max_length)
-    if any(len(seq) == 0 for seq in ids):
+    ids, offsets = token_ids(lm.tokenizer, texts, max_length)
+    lengths = np.diff(offsets)
+    if (lengths == 0).any():
         raise ValueError("cannot pool an empty context (it has no tokens)")
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    sorted_ids = [ids[i] for i in order]
-    batches = _Batches(length_batches([len(seq) for seq in sorted_ids], batch_size, max_batch_tokens))
-    loader = DataLoader(_Texts(sorted_ids), batch_sampler=batches, collate_fn=_collate(pad_id_of(lm.tokenizer)))
+    order = np.argsort(lengths, kind="stable")
+    batches = _Batches(length_batches(lengths[order].tolist(), batch_size, max_batch_tokens))
+    loader = DataLoader(_Contexts(ids, offsets, order), batch_sampler=batches,
+                        collate_fn=_collate(pad_id_of(lm.tokenizer)))
     kwargs = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
-              "enable_progress_bar": progress, "enable_model_summary": False}
+              "enable_progress_bar": bars(progress), "enable_model_summary": False}
     kwargs.update(trainer_kwargs or {})
+    shards = out.parent / f"{out.name}.shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    trainer = None
+    try:
+        with Ticker("sender states", total=len(texts), unit="rows", enabled=lines(progress)) as tick:
+            writer = _ShardWriter(shards, tick)
+            trainer = L.Trainer(callbacks=[writer], **kwargs)
+            with warnings.catch_warnings():  # the batches hold every row: nothing is dropped
+                warnings.filterwarnings("ignore", message=".*custom batch sampler.*")
+                trainer.predict(PoolingModule(lm.model, layers, tokens=tokens, dtype=dtype), dataloaders=loader,
+                                return_predictions=False)
+        if trainer.global_rank == 0:
+            writer.merge(out, len(texts), lm.hidden_size * len(layers), dtype, tokens=tokens, metadata=metadata)
+    finally:
+        if trainer is None or trainer.global_rank == 0:  # rank 0 merges the other ranks' shards too
+            shutil.rmtree(shards, ignore_errors=True)
+
+
+def _in_memory(lm: LM, texts: Sequence[str], *, tokens: bool, **kwargs):
+    """`_extract_to` a temporary file, read back into memory as float32."""
+    texts = list(texts)
     with tempfile.TemporaryDirectory(prefix="ilcp-pool-") as tmp:
-        writer = _ShardWriter(Path(tmp))
-        trainer = L.Trainer(callbacks=[writer], **kwargs)
-        with warnings.catch_warnings():  # the batches hold every row: nothing is dropped
-            warnings.filterwarnings("ignore", message=".*custom batch sampler.*")
-            trainer.predict(PoolingModule(lm.model, layers, tokens=tokens), dataloaders=loader,
-                            return_predictions=False)
+        out = Path(tmp) / "states.safetensors"
+        _extract_to(out, lm, texts, tokens=tokens, **kwargs)
+        dim = lm.hidden_size * len(kwargs.get("layers", (-1,)))
         if tokens:
-            rows_sorted = writer.merge_tokens(len(sorted_ids))
-            rows: list[Tensor] = [None] * len(texts)  # type: ignore[list-item]
-            for pos, i in enumerate(order):
-                rows[i] = rows_sorted[pos]
-            return rows
-        pooled_sorted = writer.merge(len(sorted_ids))
-    pooled = torch.empty_like(pooled_sorted)
-    pooled[torch.tensor(order)] = pooled_sorted
-    return pooled
+            found = read_cache(out, {"offsets": (torch.int64, [len(texts) + 1]),
+                                     "states": (torch.float32, [None, dim])})
+            return TokenStates(found["states"].clone(), found["offsets"].clone())
+        return read_cache(out, {"pooled": (torch.float32, [len(texts), dim])})["pooled"].clone()
 
 
 def pooled_states(
@@ -182,8 +374,8 @@ def pooled_states(
     """
     if len(texts) == 0:
         return torch.zeros((0, lm.hidden_size * len(layers)), dtype=torch.float32)
-    return _extract(lm, texts, tokens=False, batch_size=batch_size, max_length=max_length, layers=layers,
-                    trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
+    return _in_memory(lm, texts, tokens=False, batch_size=batch_size, max_length=max_length, layers=layers,
+                      trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
 
 
 def token_states(
@@ -201,12 +393,8 @@ def token_states(
     given: row i is (S_i, H * len(layers)) float32, S_i the context's token count (<= max_length)."""
     if len(texts) == 0:
         return TokenStates(torch.zeros((0, lm.hidden_size * len(layers))), torch.zeros(1, dtype=torch.long))
-    rows = _extract(lm, texts, tokens=True, batch_size=batch_size, max_length=max_length, layers=layers,
-                    max_batch_tokens=max_batch_tokens,
-                    trainer_kwargs=trainer_kwargs, progress=progress)
-    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    return TokenStates(torch.cat(rows).contiguous(), offsets)
+    return _in_memory(lm, texts, tokens=True, batch_size=batch_size, max_length=max_length, layers=layers,
+                      max_batch_tokens=max_batch_tokens, trainer_kwargs=trainer_kwargs, progress=progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,34 +402,77 @@ def token_states(
 
 
 def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int],
-                     kind: str = "mean", precision: str = "32-true") -> dict:
-    """Everything that decides the cached states, as a JSON-serialisable dict (the compute
-    precision only when it is not float32, so float32 states keep their key)."""
+                     kind: str = "mean", precision: str = "32-true", dtype: str = "float32") -> dict:
+    """Everything that decides the cached states, as a JSON-serialisable dict: the stored dtype
+    always, the compute precision when it is not float32."""
     key = {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
-           "layers": [int(i) for i in layers], "pool": kind, "format": 1}
+           "layers": [int(i) for i in layers], "pool": kind, "dtype": dtype, "format": CACHE_FORMAT}
     if precision != "32-true":
         key["precision"] = precision
     return key
 
 
-def _cache_lookup(key: dict, row_ids: Sequence[str], cache_dir) -> tuple[Path, dict, dict | None]:
-    """(cache file, its metadata, its tensors when the file matches `key` and `row_ids`, else None)."""
-    key_json = json.dumps(key, sort_keys=True)
-    digest = hashlib.sha256(key_json.encode()).hexdigest()[:24]
+def cache_path(key: dict, cache_dir=None) -> Path:
+    """Where the states of ``key`` are cached: ``CACHE/pooled/DIGEST.safetensors``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path = root / "pooled" / f"{digest}.safetensors"
-    meta = {"key": key_json, "row_ids": json.dumps(list(row_ids))}
-    if path.is_file():
-        try:
-            from safetensors import safe_open
+    return root / "pooled" / f"{digest}.safetensors"
 
-            with safe_open(str(path), framework="pt") as f:
-                found = f.metadata() or {}
-                if found.get("key") == meta["key"] and found.get("row_ids") == meta["row_ids"]:
-                    return path, meta, {k: f.get_tensor(k) for k in f.keys()}
-        except Exception:  # unreadable or foreign file: recompute and replace it
-            pass
-    return path, meta, None
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _clear_dead_writers(path: Path) -> None:
+    """The folders that killed extractions of ``path`` left (``.NAME.PID.partial``)."""
+    for folder in path.parent.glob(f".{path.name}.*.partial"):
+        pid = folder.name[len(path.name) + 2:-len(".partial")]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: dict, *, tokens: bool,
+            cache_dir, max_length: int, layers: Sequence[int], batch_size: int, max_batch_tokens: int | None,
+            trainer_kwargs: dict | None, progress: bool, precision: str, dtype: str):
+    if len(contexts) != len(row_ids):
+        raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
+    dtype = cache_dtype(dtype, precision)
+    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, kind="tokens" if tokens else "mean",
+                           precision=precision, dtype=dtype)
+    path = cache_path(key, cache_dir)
+    metadata = {"key": json.dumps(key, sort_keys=True), "row_ids": json.dumps(list(row_ids)), "dtype": dtype}
+    n, dim, stored = len(contexts), lm.hidden_size * len(layers), CACHE_DTYPES[dtype]
+    expect = ({"offsets": (torch.int64, [n + 1]), "states": (stored, [None, dim])} if tokens
+              else {"pooled": (stored, [n, dim])})
+    if path.exists() or path.is_symlink():
+        try:
+            if not path.is_file():
+                raise CacheMismatch("it is not a regular file")
+            return _cache_states(read_cache(path, expect, metadata), tokens, n), path, True
+        except (CacheMismatch, OSError) as e:
+            say(f"sender-state cache {path} refused ({e}): computing it again")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _clear_dead_writers(path)
+    work = path.parent / f".{path.name}.{os.getpid()}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        out = work / path.name
+        _extract_to(out, lm, list(contexts), tokens=tokens, batch_size=batch_size, max_length=max_length,
+                    layers=layers, trainer_kwargs={**(trainer_kwargs or {}), "precision": precision},
+                    progress=progress, max_batch_tokens=max_batch_tokens, dtype=stored, metadata=metadata)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        os.replace(out, path)  # complete, so only now under its name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _cache_states(read_cache(path, expect, metadata), tokens, n), path, False
 
 
 def cached_pooled_states(
@@ -258,24 +489,19 @@ def cached_pooled_states(
     trainer_kwargs: dict | None = None,
     progress: bool = True,
     precision: str = "32-true",
+    dtype: str = "auto",
 ) -> tuple[Tensor, Path, bool]:
     """Pooled states of `contexts`, read from the cache when present, else computed and stored;
-    the forward runs at ``precision`` (a resolved `ilcp.precision` name), the states are float32.
+    the forward runs at ``precision`` (a resolved `ilcp.precision` name), the states are stored in
+    ``dtype`` (`cache_dtype`).
 
     Returns:
-        (pooled (N, D) float32, cache file, hit): `hit` is True when no forward pass ran.
+        (pooled (N, D), a read-only memory map of the cache file; cache file; hit): `hit` is True
+        when no forward pass ran.
     """
-    if len(contexts) != len(row_ids):
-        raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
-    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, precision=precision)
-    trainer_kwargs = {**(trainer_kwargs or {}), "precision": precision}
-    path, meta, found = _cache_lookup(key, row_ids, cache_dir)
-    if found is not None and "pooled" in found:
-        return found["pooled"], path, True
-    pooled = pooled_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
-                           trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
-    atomic_save_safetensors({"pooled": pooled.contiguous()}, path, meta)
-    return pooled, path, False
+    return _cached(lm, contexts, row_ids, task_key, tokens=False, cache_dir=cache_dir, max_length=max_length,
+                   layers=layers, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+                   trainer_kwargs=trainer_kwargs, progress=progress, precision=precision, dtype=dtype)
 
 
 def cached_token_states(
@@ -292,21 +518,14 @@ def cached_token_states(
     trainer_kwargs: dict | None = None,
     progress: bool = True,
     precision: str = "32-true",
+    dtype: str = "auto",
 ) -> tuple[TokenStates, Path, bool]:
     """`token_states` of `contexts` through the same cache as `cached_pooled_states`, the forward
-    at ``precision``.
+    at ``precision``, stored in ``dtype``; the returned rows are read from the file's memory map.
 
     Returns:
         (token states, cache file, hit).
     """
-    if len(contexts) != len(row_ids):
-        raise ValueError(f"{len(contexts)} contexts but {len(row_ids)} row ids")
-    key = pooled_cache_key(lm.fingerprint, task_key, max_length, layers, kind="tokens", precision=precision)
-    trainer_kwargs = {**(trainer_kwargs or {}), "precision": precision}
-    path, meta, found = _cache_lookup(key, row_ids, cache_dir)
-    if found is not None and {"states", "offsets"} <= set(found):
-        return TokenStates(found["states"], found["offsets"]), path, True
-    states = token_states(lm, contexts, batch_size=batch_size, max_length=max_length, layers=layers,
-                          trainer_kwargs=trainer_kwargs, progress=progress, max_batch_tokens=max_batch_tokens)
-    atomic_save_safetensors({"states": states.flat.contiguous(), "offsets": states.offsets.contiguous()}, path, meta)
-    return states, path, False
+    return _cached(lm, contexts, row_ids, task_key, tokens=True, cache_dir=cache_dir, max_length=max_length,
+                   layers=layers, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+                   trainer_kwargs=trainer_kwargs, progress=progress, precision=precision, dtype=dtype)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..io import file_kind
 from ..precision import resolve
+from ..progress import Ticker, bars, lines
 from .distributed import is_main
 
 
@@ -25,6 +26,50 @@ def say(msg: str) -> None:
     from rank 0 only when several processes train."""
     if is_main():
         logging.getLogger("ilcp.training").info(msg)
+
+
+def _loss_of(outputs):
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return loss.detach() if isinstance(loss, Tensor) else loss
+
+
+class ProgressLines(L.Callback):
+    """A stage's progress as plain lines (`ilcp.progress.Ticker`), for output that is not a
+    terminal: the optimizer step of the budget, the epoch and the last batch's loss while
+    training; the batches done while validating."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._train: Ticker | None = None
+        self._val: Ticker | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        total = trainer.estimated_stepping_batches
+        self._train = Ticker(self.name, total=int(total) if total != float("inf") else None, unit="steps").__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._train is not None:
+            epochs = f" of {trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+            self._train.update(done=trainer.global_step, epoch=f"{trainer.current_epoch + 1}{epochs}",
+                               loss=_loss_of(outputs))
+
+    def on_train_end(self, trainer, pl_module):
+        if self._train is not None:
+            self._train.__exit__()
+            self._train = None
+
+    def on_validation_start(self, trainer, pl_module):
+        total = sum(int(n) for n in trainer.num_val_batches if n != float("inf"))
+        self._val = Ticker(f"{self.name}: validation", total=total or None, unit="batches").__enter__()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self._val is not None:
+            self._val.update(1)
+
+    def on_validation_end(self, trainer, pl_module):
+        if self._val is not None:
+            self._val.__exit__()
+            self._val = None
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int]:
@@ -46,12 +91,15 @@ def run_precision(cfg) -> str:
 
 
 def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> L.Trainer:
-    """A Trainer with the run's accelerator settings and precision, logging to ``RUN/logs/NAME``."""
+    """A Trainer with the run's accelerator settings and precision, logging to ``RUN/logs/NAME``;
+    with ``trainer.progress``, Lightning's bar on a terminal and `ProgressLines` elsewhere."""
     t = cfg.trainer
+    if lines(t.progress):
+        callbacks = [*callbacks, ProgressLines(name)]
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=run_precision(cfg), logger=CSVLogger(str(cfg.run_dir / "logs"), name=name, version=""),
-        callbacks=callbacks, enable_progress_bar=t.progress, enable_model_summary=False,
+        callbacks=callbacks, enable_progress_bar=bars(t.progress), enable_model_summary=False,
         default_root_dir=str(stage_dir), num_sanity_val_steps=0,
         log_every_n_steps=1,  # every step's loss; an interval above an epoch's batches logs nothing (and warns)
         use_distributed_sampler=False,  # the loaders shard the global batches themselves (`data.row_loader`)

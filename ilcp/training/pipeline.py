@@ -35,6 +35,7 @@ from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from ..precision import hold
+from ..progress import keep_talking, lines
 from .compressor_stage import train_compressor
 from .data import HandoffDataModule, latent_bound, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
@@ -81,7 +82,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
         _prepare_run_dir(cfg, resume, overwrite, discard_last, raised)
     procs.launch()
     try:
-        result = _train(cfg, resume, lm, procs, StageClock(on_stage_done))
+        with keep_talking("training", enabled=lines(cfg.trainer.progress)):
+            result = _train(cfg, resume, lm, procs, StageClock(on_stage_done))
     except BaseException:
         procs.abort()
         raise

@@ -33,7 +33,7 @@ from ..prefix import receiver_prefix
 from ..config import TrainConfig
 from ..encoder import ILCPEncoder
 from ..lm import LM
-from ..pooling import TokenStates, sender_token_states, tokenize_contexts
+from ..pooling import sender_token_states, tokenize_contexts
 from .data import HandoffDataModule, HandoffRows, heldout_values, sender_max_length, word_tokens
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
@@ -52,9 +52,7 @@ def distinct_contexts(rows: HandoffRows) -> HandoffRows:
     if rows.states is None:
         states = None
     elif rows.has_token_states:
-        parts = [rows.states[i] for i in keep]
-        lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.long)
-        states = TokenStates(torch.cat(parts), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+        states = rows.states.take(keep)  # the same (memory-mapped) storage
     else:
         states = rows.states[keep]
     return HandoffRows([{"context": rows.rows[i]["context"], "question": "", "answer": ""} for i in keep], states)
