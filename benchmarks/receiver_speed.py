@@ -78,8 +78,9 @@ def load_columns(ckpt: str | Path) -> dict[str, object]:
     return contexts
 
 
-def measure(contexts: dict, rows_by_method: dict[str, list[dict]], repeats: int) -> list[dict]:
-    """One dict per method: p50 TTFT per column, prefill positions, bare forward per column."""
+def measure(contexts: dict, rows_by_method: dict[str, list[dict]]) -> list[dict]:
+    """One dict per method: p50 TTFT per column, prefill positions, and the median of as many bare
+    forwards of those positions as there were requests, per column."""
     from ilcp.evaluation import make_method
     from ilcp.evaluation.timing import time_request
     from ilcp.precision import autocast
@@ -105,7 +106,8 @@ def measure(contexts: dict, rows_by_method: dict[str, list[dict]], repeats: int)
         result = {"method": name, "requests": len(rows), "positions": p}
         for column, ctx in contexts.items():
             result[f"{column} ttft_s"] = statistics.median(ttft[column])
-            result[f"{column} forward_s"] = bare_forward_s(ctx.lm.model, p, ctx.lm.hidden_size, COLUMNS[column], repeats)
+            result[f"{column} forward_s"] = bare_forward_s(ctx.lm.model, p, ctx.lm.hidden_size, COLUMNS[column],
+                                                           len(rows))
         for column in ("bf16 recast", "bf16 held"):
             result[f"float32 / {column}"] = result["float32 ttft_s"] / result[f"{column} ttft_s"]
         results.append(result)
@@ -164,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.ckpt}: LM {contexts['float32'].lm.spec}; avx512_bf16 {'yes' if machine['avx512_bf16'] else 'no'}, "
           f"amx_bf16 {'yes' if machine['amx_bf16'] else 'no'}; torch {machine['torch']} with "
           f"{machine['torch_threads']} thread(s); precision auto -> {machine['auto_precision']}", flush=True)
-    results = measure(contexts, rows, repeats=3)
+    results = measure(contexts, rows)
     print()
     print(table(results))
     short = [r for r in results if r["method"] in SHORT_METHODS]
