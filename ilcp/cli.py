@@ -52,9 +52,9 @@ The run's training task (test split; config.json's task and task_settings) is al
 evaluated; --tasks adds others, reported separately and marked held out. By default 200
 questions per task (95% intervals of about +-6 percentage points at 25% accuracy; --limit 0 for
 the whole 1,000-question bAbI test file) and 20 timed requests per method: with SmolLM2 on 2 CPU
-cores, about 6 minutes per task plus 1.5 for the context-length sweep, so the training task and
-one held-out task fit in 15. Writes results.json, results.md, predictions.jsonl and PNG plots
-into --out (default results/RUN) and prints the tables.
+cores with bfloat16 (AVX512-BF16), about 1.5 minutes per bAbI task plus half a minute for the
+context-length sweep (docs/results/main-held: 113 s in all). Writes results.json, results.md,
+predictions.jsonl and PNG plots into --out (default results/RUN) and prints the tables.
 
 Methods: {methods}.
 
