@@ -2,6 +2,7 @@
 every test reads, and, for the few integration tests marked slow, the embedded SmolLM2."""
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,3 +58,25 @@ def tiny_run(tmp_path_factory, tiny_lm) -> TinyRun:
     before = raw_weight_digest(tiny_lm.model)
     result = train(cfg, lm=tiny_lm)
     return TinyRun(cfg, result, before, raw_weight_digest(tiny_lm.model))
+
+
+@pytest.fixture
+def capture_log():
+    """``capture_log(name)``: the list of messages the logger ``name`` emits at INFO and above until
+    the test ends (its handler and level restored then)."""
+    undo = []
+
+    def capture(name: str) -> list[str]:
+        found: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: found.append(record.getMessage())
+        logger = logging.getLogger(name)
+        undo.append((logger, handler, logger.level))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        return found
+
+    yield capture
+    for logger, handler, level in reversed(undo):
+        logger.removeHandler(handler)
+        logger.setLevel(level)

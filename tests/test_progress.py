@@ -3,7 +3,6 @@ every training stage and eval, at most every 30 s (a patched clock here), and a 
 watchdog when nothing else was said; ``progress=false`` silences them; a terminal keeps the bars."""
 
 import io
-import logging
 import threading
 from pathlib import Path
 
@@ -32,21 +31,12 @@ class _Clock:
 
 
 @pytest.fixture
-def heard(monkeypatch):
+def heard(monkeypatch, capture_log):
     """The progress lines logged (non-terminal output, a clock 31 s apart at every reading)."""
     monkeypatch.setattr(progress, "monotonic", _Clock(31.0))
     monkeypatch.setattr(progress, "on_terminal", lambda stream=None: False)
     monkeypatch.setattr(progress, "_last_line", [None])
-    found: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: found.append(record.getMessage())
-    logger = logging.getLogger("ilcp.progress")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield found
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    return capture_log("ilcp.progress")
 
 
 def test_ticker_prints_at_most_every_interval(monkeypatch, heard):

@@ -3,7 +3,6 @@ bfloat16 when the run computes in bfloat16, refused with one line and computed a
 not match, and never left looking complete by a kill."""
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -26,18 +25,9 @@ KEY = {"task": "cache-test"}
 
 
 @pytest.fixture
-def said():
+def said(capture_log):
     """The lines the training logger says (the cache's refusals among them)."""
-    found: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: found.append(record.getMessage())
-    logger = logging.getLogger("ilcp.training")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield found
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    return capture_log("ilcp.training")
 
 
 def _mapped(path: Path) -> bool:
