@@ -211,3 +211,19 @@ def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figu
     assert lines.index("| babi:2 (held out) | 20.0 | 40.0 |") > lines.index("| babi:1 | 50.0 | 60.0 |")
     assert "`ilcp` F1 30.0 [25.0, 35.0] with 60 prefix positions" in block
     assert "![general_tasks](docs/results/general/general_tasks.png)" in block
+    # another handoff on the same questions joins as a column where it has the task with as many questions
+    side = {"squad": {"n": 200, "methods": {"ilcp": method(0.05, 0.25, 90)}},
+            "babi:1": {"n": 200, "methods": {"ilcp": method(0.3)}},
+            "babi:2": {"n": 100, "methods": {"ilcp": method(0.9)}}}
+    (tmp_path / "general-codec").mkdir()
+    (tmp_path / "general-codec" / "results.json").write_text(json.dumps({"tasks": side, "settings": {}, "run": {}}))
+    block = results_docs.general_block(tmp_path, "docs/results/")
+    lines = block.splitlines()
+    assert lines[0] == "| task | `ilcp` | `cold_read_tuned` | `codec` |"
+    assert "| babi:1 | 50.0 | 60.0 | 30.0 |" in lines
+    assert "| babi:2 (held out) | 20.0 | 40.0 | - |" in lines  # 100 questions, not the run's 200
+    assert "| **mean, trained (2)** | 30.0 | 40.0 | 17.5 |" in lines
+    assert "| **mean, held out (1)** | 20.0 | 40.0 | - |" in lines
+    assert "`codec` F1 25.0 [20.0, 30.0] with 90 prefix positions" in block
+    assert "Data: [general](docs/results/general/README.md), [general-codec](docs/results/general-codec/README.md)." in block
+    assert len(results_docs.draw_general(tmp_path)) == 2

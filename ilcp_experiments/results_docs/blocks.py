@@ -524,16 +524,35 @@ def draw_at_a_glance(results_dir: Path) -> Path | None:
 # The question-blind handoff (configs/general.yaml): one run's eval over its trained and held-out tasks
 GENERAL_FOLDER = "general"
 GENERAL_FIGURES = ("general_squad_f1.png", "general_tasks.png")
+# Other handoffs read on the general run's questions, shown beside its methods: (folder, the method
+# in that folder, the column's name). A task joins only where the folder has it with as many questions.
+GENERAL_SIDE = (("general-codec", "ilcp", "codec"), ("general-pooled", "ilcp", "pooled"))
 
 
 def _general(results_dir: Path) -> dict | None:
+    """The general run's results with the `GENERAL_SIDE` columns merged in (``sides``: the folders
+    that gave one)."""
     data = load(results_dir / GENERAL_FOLDER / "results.json")
-    return data if data is not None and data.get("tasks") else None
+    if data is None or not data.get("tasks"):
+        return None
+    data["sides"] = []
+    for folder, method, column in GENERAL_SIDE:
+        side = (load(results_dir / folder / "results.json") or {}).get("tasks") or {}
+        joined = False
+        for name, task in data["tasks"].items():
+            found = (side.get(name) or {}).get("methods", {}).get(method)
+            if found is not None and side[name].get("n") == task.get("n"):
+                task["methods"][column] = found
+                joined = True
+        if joined:
+            data["sides"].append(folder)
+    return data
 
 
 def general_block(results_dir: Path, link_prefix: str = "") -> str:
     """The general run's exact match per task, trained tasks then held-out ones, with each method's
-    mean over each group and, on ``squad``, F1 and the receiver's prefix positions; the figures."""
+    mean over each group and, on ``squad``, F1 and the receiver's prefix positions; the figures.
+    Columns of `GENERAL_SIDE` folders follow the run's own methods."""
     data = _general(results_dir)
     if data is None:
         return "No measurements of the general handoff yet (`configs/general.yaml`)."
@@ -560,7 +579,8 @@ def general_block(results_dir: Path, link_prefix: str = "") -> str:
             for m, v in squad["methods"].items()) + "."]
     figures = [f"![{name[:-4]}]({link_prefix}{GENERAL_FOLDER}/{name})" for name in GENERAL_FIGURES
                if (results_dir / GENERAL_FOLDER / name).is_file()]
-    out += ["", f"Data: [{GENERAL_FOLDER}]({link_prefix}{GENERAL_FOLDER}/README.md)."]
+    out += ["", "Data: " + ", ".join(f"[{name}]({link_prefix}{name}/README.md)"
+                                      for name in (GENERAL_FOLDER, *data["sides"])) + "."]
     if figures:
         out += ["", " ".join(figures)]
     return "\n".join(out)
