@@ -115,8 +115,10 @@ _STARTED: dict[tuple, object] = {}
 
 
 def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-               max_model_len: int | None = None, log: Callable[[str], None] | None = None) -> VLLMDecoder:
-    """One in-process vLLM engine (eager, the LM's dtype, prompt embeddings) on ``lm``.
+               max_model_len: int | None = None, dtype: str | None = None,
+               log: Callable[[str], None] | None = None) -> VLLMDecoder:
+    """One in-process vLLM engine (eager, prompt embeddings) on ``lm``, its weights in ``dtype``
+    (None: the LM's dtype).
 
     The engine lives until the process ends (an in-process engine that is shut down breaks the
     others); a second call for the same model directory and settings reuses it, its caches staying
@@ -142,7 +144,7 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
         directory = model_directory(lm, folder / "model")
     positions = getattr(lm.model.config, "max_position_embeddings", None) or MAX_MODEL_LEN
     max_model_len = max_model_len or min(int(positions), MAX_MODEL_LEN)
-    dtype = str(lm.dtype).removeprefix("torch.")
+    dtype = dtype or str(lm.dtype).removeprefix("torch.")
     key = (str(Path(directory).resolve()), dtype, kv_cache_bytes, max_model_len)
     if key in _STARTED:
         say(f"reusing the vLLM engine on {directory} started earlier in this process")

@@ -205,7 +205,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     handoff = (ILCPHandoff.from_export(run, lm, payload_dtype=config.payload_dtype, precision=precision)
                if run.encoder is not None else None)
     ctx = EvalContext(lm=lm, run=run, handoff=handoff, max_new_tokens=config.max_new_tokens)
-    vllm, engine_info = start_engine(config, lm, vllm=vllm, log=say)
+    vllm, engine_info = start_engine(config, lm, vllm=vllm, log=say, precision=precision)
     bound = []
     for m in runnable:
         try:
@@ -226,16 +226,21 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
 
 
 def start_engine(config: EvalConfig, lm: LM, *, vllm: VLLMDecoder | None = None,
-                 log: Callable[[str], None] | None = None) -> tuple[VLLMDecoder | None, dict | None]:
+                 log: Callable[[str], None] | None = None,
+                 precision: str = "32-true") -> tuple[VLLMDecoder | None, dict | None]:
     """With engine="vllm": the engine (``vllm`` when given, else one started on ``lm``, its files in
-    OUT/vllm or a temporary folder) and what results.json records of it; (None, None) otherwise."""
+    OUT/vllm or a temporary folder) and what results.json records of it; (None, None) otherwise.
+    At bf16-mixed the engine it starts holds the LM in bfloat16 (faster on a CPU with bfloat16:
+    docs/results/vllm-dtype), at 32-true in the LM's own dtype."""
     if config.engine != "vllm":
         return None, None
     t0 = time.perf_counter()
     if vllm is None:
         out = config.out
         folder = Path(out) / "vllm" if out is not None else Path(tempfile.mkdtemp(prefix="ilcp-vllm-"))
-        vllm = start_vllm(lm, folder, kv_cache_bytes=config.vllm_kv_cache_bytes, log=log or (lambda message: None))
+        dtype = "bfloat16" if precision == "bf16-mixed" else None
+        vllm = start_vllm(lm, folder, kv_cache_bytes=config.vllm_kv_cache_bytes, dtype=dtype,
+                          log=log or (lambda message: None))
     elif not isinstance(vllm, VLLMDecoder) or vllm.lm is not lm:
         raise ValueError("vllm must be an ilcp.engines.vllm.VLLMDecoder on the LM the evaluation uses")
     info = {"vllm_version": getattr(require_vllm(), "__version__", None),

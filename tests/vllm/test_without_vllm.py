@@ -102,3 +102,21 @@ def test_one_prefix_check_for_engines_and_servers():
         check_prefix(ok, 8, 6, 8)
     with pytest.raises(ValueError, match="passes the server's max_model_len of 8"):
         check_prefix(ok, 8, 6, 8, holder="server")
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", "bfloat16"), ("32-true", None)])
+def test_eval_starts_its_engine_in_bfloat16_at_bf16_mixed(fake_vllm, monkeypatch, tmp_path, precision, dtype):
+    from ilcp.eval_config import EvalConfig
+    from ilcp.evaluation import session as eval_session
+
+    asked = []
+
+    def start_vllm(lm, folder, **kwargs):
+        asked.append(kwargs["dtype"])
+        return types.SimpleNamespace(dtype=getattr(torch, kwargs["dtype"] or "float32"), max_model_len=64)
+
+    monkeypatch.setattr(eval_session, "start_vllm", start_vllm)
+    config = EvalConfig(engine="vllm", out=str(tmp_path))
+    _, info = eval_session.start_engine(config, object(), precision=precision)
+    assert asked == [dtype]  # None: the LM's own dtype
+    assert info["dtype"] == (dtype or "float32")
