@@ -10,7 +10,7 @@ from ilcp.io import atomic_write_text
 
 from .blocks import (babilong_block, datasets_block, draw_at_a_glance, draw_babilong, draw_general, general_block,
                      glance_table, served_block)
-from .folders import (BABILONG_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
+from .folders import (BABILONG_DOC, GENERAL_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
                       index, replace_block)
 
 def generated(root: Path) -> dict[Path, str]:
@@ -24,6 +24,9 @@ def generated(root: Path) -> dict[Path, str]:
     out[results_dir / BABILONG_DOC] = ("# Long contexts (BABILong): every current measurement\n\n"
                                        + GENERATED.replace("of this folder", "of the folders linked below")
                                        + "\n\n" + babilong_block(results_dir) + "\n")
+    out[results_dir / GENERAL_DOC] = ("# The question-blind handoff (configs/general.yaml) beside the others, on its "
+                                      "questions\n\n" + GENERATED.replace("of this folder", "of the folders linked below")
+                                      + "\n\n" + general_block(results_dir) + "\n")
     readme = root / "README.md"
     if readme.is_file():
         prefix = RESULTS_DIR.as_posix() + "/"
