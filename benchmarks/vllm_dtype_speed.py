@@ -95,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.ckpt, args.child, args.requests, args.long_requests, args.answers)))
         return 0
+    from ilcp.export import ExportError, read_export
     from ilcp.vllm_engine import require_vllm
 
     try:
+        if read_export(args.ckpt).encoder is None:
+            p.error(f"{args.ckpt} has no ilcp weights: train with 'ilcp' among handoff.variants")
         require_vllm()
-    except ImportError as e:
+    except (ExportError, ImportError) as e:
         p.error(str(e))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}

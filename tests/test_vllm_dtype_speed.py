@@ -1,5 +1,5 @@
-"""benchmarks/vllm_dtype_speed.py outside a vLLM environment: a usage error that says how to install
-vLLM, before any engine or model is touched; bad counts are usage errors too. (Its measurements need
+"""benchmarks/vllm_dtype_speed.py: a folder that is not a run, a missing vLLM and bad counts are each a
+one-line usage error before any engine or model is started. (Its measurements need
 vLLM and run from .venv-vllm: docs/results/vllm-dtype.)"""
 
 import importlib.util
@@ -15,9 +15,9 @@ HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None  # not tests/vllm see
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="this environment has vLLM")
-def test_without_vllm_it_says_how_to_install_it(tmp_path, capsys):
+def test_without_vllm_it_says_how_to_install_it(tiny_run, capsys):
     with pytest.raises(SystemExit) as e:
-        speed.main(["--ckpt", str(tmp_path / "no-run")])
+        speed.main(["--ckpt", str(tiny_run.run_dir)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "vLLM is not installed" in err and "scripts/install.sh" in err
@@ -28,3 +28,10 @@ def test_counts_below_one_are_usage_errors(tmp_path, capsys):
         speed.main(["--ckpt", str(tmp_path), "--requests", "0"])
     assert e.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        speed.main(["--ckpt", str(tmp_path / "no-run")])
+    assert e.value.code == 2
+    assert "is not a directory" in capsys.readouterr().err
