@@ -416,7 +416,7 @@ SERVE_HELP = """Serve a run's LM with vLLM for receivers that decode over HTTP (
     python -m ilcp serve checkpoints/default --print        # the command only
 
 Loads the run's LM once to check its fingerprint, prints the vLLM server command (prompt
-embeddings on, the run's dtype, the served model named ilcp-<fingerprint>-<table digest>) and
+embeddings on, the run's dtype: bfloat16 for a run trained at bf16-mixed, --dtype to choose, the served model named ilcp-<fingerprint>-<table digest>) and
 runs it in place of this process. Arguments after -- go to vLLM. On a CPU build add
 --enforce-eager and set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache)."""
 
@@ -436,6 +436,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=None, help="the LM's model directory; default the run's LM spec")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the server's dtype (default: bfloat16 for a run trained at bf16-mixed, else the LM's)")
     parser.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -449,7 +451,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     from .engines.served import serve_command
 
     try:
-        command = serve_command(args.run, model_dir=args.model_dir, host=args.host, port=args.port, extra=extra)
+        command = serve_command(args.run, model_dir=args.model_dir, host=args.host, port=args.port, extra=extra,
+                                dtype=args.dtype)
     except (ExportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

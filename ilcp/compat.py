@@ -145,3 +145,24 @@ def cache_tensors(cache):
     if keys is not None and values is not None:
         return list(zip(keys, values))
     return None
+
+
+def use_attention(model: nn.Module, name: str, forward) -> bool:
+    """Register ``forward`` as transformers attention function ``name`` (its masks built as for
+    SDPA) and switch ``model`` to it, where the model runs SDPA now.
+
+    Returns False, leaving the model as it is, where the model runs another attention (eager,
+    flash) or this transformers has no attention registry (before 4.53).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+    except ImportError:
+        return False
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    config._attn_implementation = name
+    return True

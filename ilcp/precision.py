@@ -17,7 +17,9 @@ Autocast alone casts every float32 weight of the frozen LM to bfloat16 at every 
 short request that recast costs more than the bfloat16 matmuls save. `hold` casts them once: the
 frozen LM's linear layers (the LM head included) keep bfloat16 copies of their weights, its
 embedding table and norms stay float32, and its forwards always run under bfloat16 autocast, so a
-held LM computes exactly what autocast over its float32 weights computes, without the recast.
+held LM computes what autocast over its float32 weights computes, without the recast; only its
+long causal prefills without gradients (512 positions and more) take `ilcp.attention`'s blocked
+bfloat16 attention in place of SDPA.
 The fingerprint is the float32 weights' (taken before the cast). The entry points that load
 their own LM hold it at a bfloat16 precision (training, eval, `ILCPHandoff.from_pretrained`); an
 LM a caller passes in is left as it is (autocast recasts it) unless the caller holds it:
@@ -115,7 +117,9 @@ def hold(lm, precision: str) -> int:
     model is replaced by a frozen bfloat16 copy (a head tied to the embedding table gets its own
     copy; the table stays float32), and the model's forward (and its base model's) runs under
     bfloat16 autocast whoever calls it. Autocast computes those matmuls in bfloat16 anyway, so
-    the outputs are the ones autocast gives over the float32 weights. Nothing is done at
+    the outputs are the ones autocast gives over the float32 weights. A model running SDPA is
+    switched to `ilcp.attention`, which computes long causal prefills without gradients in blocks
+    of bfloat16 matmuls and hands every other call to SDPA. Nothing is done at
     ``"32-true"``, for an LM already in half precision, or for a model already held.
 
     Returns the number of linear layers cast. The LM's fingerprint is computed first, from the
@@ -123,6 +127,9 @@ def hold(lm, precision: str) -> int:
     """
     import torch
     from torch import nn
+
+    from .attention import ATTENTION_NAME, attention_forward
+    from .compat import use_attention
 
     if resolve(precision, lm.device) == "32-true" or lm.dtype != torch.float32 or held_dtype(lm.model) is not None:
         return 0
@@ -138,6 +145,7 @@ def hold(lm, precision: str) -> int:
     base = getattr(model, "base_model", None)
     for module in {id(m): m for m in (model, base) if isinstance(m, nn.Module)}.values():
         module.forward = _under_autocast(module)
+    use_attention(model, ATTENTION_NAME, attention_forward)
     setattr(model, _HELD, torch.bfloat16)
     return cast
 

@@ -467,3 +467,25 @@ def test_eval_names_an_unloadable_lm_of_the_export(tiny_run, tmp_path, capsys):
     line = one_error_line(cli.eval_main, ["--ckpt", str(run), "--out", str(tmp_path / "out"), *QUICK], capsys)
     assert "config.json: the LM it names" in line and "unknown dtype 'int8'" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_server_runs_in_the_runs_compute_dtype_unless_told(tiny_run, tiny_lm, tmp_path, capsys):
+    """`serve_command`'s ``--dtype``: bfloat16 for a run trained at bf16-mixed, the LM's dtype at
+    32-true (the tiny run), what ``dtype=`` / ``--dtype`` say otherwise; a bad name is refused."""
+    from ilcp.engines.served import serve_command, serve_dtype
+
+    assert serve_dtype({"lm": {"dtype": "float32", "precision": "bf16-mixed"}}) == "bfloat16"
+    assert serve_dtype({"lm": {"dtype": "float32", "precision": "32-true"}}) == "float32"
+    assert serve_dtype({"lm": {"dtype": "float32"}}) == "float32"  # an export from before precision was recorded
+    assert serve_dtype({"lm": {"dtype": "float16", "precision": "bf16-mixed"}}) == "float16"
+    same = saved_lm(tiny_lm.model, tiny_lm.tokenizer, tmp_path / "same-lm")
+
+    def dtype_of(command):
+        return command[command.index("--dtype") + 1]
+
+    assert dtype_of(serve_command(tiny_run.run_dir, model_dir=same)) == "float32"
+    assert dtype_of(serve_command(tiny_run.run_dir, model_dir=same, dtype="bfloat16")) == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        serve_command(tiny_run.run_dir, model_dir=same, dtype="int8")
+    assert cli.main(["serve", str(tiny_run.run_dir), "--model-dir", str(same), "--dtype", "bfloat16", "--print"]) == 0
+    assert "--dtype bfloat16" in capsys.readouterr().out
