@@ -9,8 +9,9 @@ Three columns, each with its own copy of the run's LM:
 - float32: float32 weights, no autocast (precision "32-true");
 - bf16 recast: float32 weights under bfloat16 autocast, which casts every weight at every
   forward (what "bf16-mixed" did before the LM was held);
-- bf16 held: `ilcp.precision.hold`, the linear weights cast to bfloat16 once (what "bf16-mixed"
-  does now, and so the default precision on a CPU with AVX512-BF16 or AMX).
+- bf16 held: `ilcp.precision.hold`, the linear weights cast to bfloat16 once and long prefills
+  in `ilcp.attention`'s blocked attention (what "bf16-mixed" does now, and so the default
+  precision on a CPU with AVX512-BF16 or AMX).
 Rows: no_context and ilcp on the first --requests questions of bAbI task 1 (short requests) and
 cold_read on the first --long-requests of babilong:1:2k (a 2k-token prefill). Each request is
 timed as eval.py times it (`ilcp.evaluation.timing.time_request`: receive, then the prefill to
