@@ -227,3 +227,12 @@ def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figu
     assert "`codec` F1 25.0 [20.0, 30.0] with 90 prefix positions" in block
     assert "Data: [general](docs/results/general/README.md), [general-codec](docs/results/general-codec/README.md)." in block
     assert len(results_docs.draw_general(tmp_path)) == 2
+    # one folder can give two columns (general-long: its tuned text and its slots), linked once
+    (tmp_path / "general-long").mkdir()
+    longer = {"babi:1": {"n": 200, "methods": {"ilcp": method(0.55), "cold_read_tuned": method(0.65)}}}
+    (tmp_path / "general-long" / "results.json").write_text(json.dumps({"tasks": longer, "settings": {}, "run": {}}))
+    lines = results_docs.general_block(tmp_path, "docs/results/").splitlines()
+    assert lines[0] == "| task | `ilcp` | `cold_read_tuned` | `codec` | `cold_read_tuned (long)` | `ilcp (long)` |"
+    assert "| babi:1 | 50.0 | 60.0 | 30.0 | 65.0 | 55.0 |" in lines
+    data_line = next(line for line in lines if line.startswith("Data: "))
+    assert data_line.count("general-long/README.md") == 1

@@ -526,7 +526,8 @@ GENERAL_FOLDER = "general"
 GENERAL_FIGURES = ("general_squad_f1.png", "general_tasks.png")
 # Other handoffs read on the general run's questions, shown beside its methods: (folder, the method
 # in that folder, the column's name). A task joins only where the folder has it with as many questions.
-GENERAL_SIDE = (("general-codec", "ilcp", "codec"), ("general-pooled", "ilcp", "pooled"))
+GENERAL_SIDE = (("general-codec", "ilcp", "codec"), ("general-pooled", "ilcp", "pooled"),
+                ("general-long", "cold_read_tuned", "cold_read_tuned (long)"), ("general-long", "ilcp", "ilcp (long)"))
 
 
 def _general(results_dir: Path) -> dict | None:
@@ -544,7 +545,7 @@ def _general(results_dir: Path) -> dict | None:
             if found is not None and side[name].get("n") == task.get("n"):
                 task["methods"][column] = found
                 joined = True
-        if joined:
+        if joined and folder not in data["sides"]:
             data["sides"].append(folder)
     return data
 
