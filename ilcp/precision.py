@@ -18,8 +18,8 @@ short request that recast costs more than the bfloat16 matmuls save. `hold` cast
 frozen LM's linear layers (the LM head included) keep bfloat16 copies of their weights, its
 embedding table and norms stay float32, and its forwards always run under bfloat16 autocast, so a
 held LM computes what autocast over its float32 weights computes, without the recast; only its
-long causal prefills without gradients (512 positions and more) take `ilcp.attention`'s blocked
-bfloat16 attention in place of SDPA.
+long causal prefills without gradients (256 positions and more, `ilcp.attention.MIN_QUERIES`)
+take `ilcp.attention`'s blocked bfloat16 attention in place of SDPA.
 The fingerprint is the float32 weights' (taken before the cast). The entry points that load
 their own LM hold it at a bfloat16 precision (training, eval, `ILCPHandoff.from_pretrained`); an
 LM a caller passes in is left as it is (autocast recasts it) unless the caller holds it:
