@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ilcp.lm import load_lm
-from ilcp.pooling import pad_id_of, pad_right, sender_token_states
+from ilcp.encoder.pooling import pad_id_of, pad_right, sender_token_states
 from ilcp.tasks import make_facts
 from ilcp.training.data import word_tokens
 from ilcp.training.reconstruction_stage import TOKEN_TEMPERATURE

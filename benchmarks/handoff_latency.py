@@ -28,7 +28,7 @@ from ilcp.export import read_config, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import load_lm
 from ilcp.tasks import count_tokens, facts_for_length, make_facts
-from ilcp.transport import TransportPayload, pack, unpack
+from ilcp.wire.payload import TransportPayload, pack, unpack
 
 METHODS = ("no_context", "cold_read", "ilcp")
 

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from ilcp.transport import DTYPES, TransportPayload, pack, unpack
+from ilcp.wire.payload import DTYPES, TransportPayload, pack, unpack
 
 FINGERPRINT = "b6ea7d5cd9274032"  # the length of a real LM fingerprint, so header sizes are real
 

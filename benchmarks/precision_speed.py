@@ -16,9 +16,9 @@ taking turns so that a change in machine load hits both alike; the median is pri
   requires_grad before the question prompts and answers of 8 bAbI task 1 rows, left padded,
   the logits of the last positions only, cross-entropy on the answer tokens, backward (outside
   autocast, as Lightning runs it) to the soft prompt;
-- prefill 512 / 2048: the receiver's prefill (`ilcp.decoding.decode_one`, one new token) of one
+- prefill 512 / 2048: the receiver's prefill (`ilcp.receiver.decoding.decode_one`, one new token) of one
   context of that many tokens of BABILong text (babilong:1:2k, repeated where it is shorter);
-- decode: `ilcp.decoding.greedy_decode` of the same 8 prefixes (soft prompt + question prompt),
+- decode: `ilcp.receiver.decoding.greedy_decode` of the same 8 prefixes (soft prompt + question prompt),
   at most 8 new tokens, one batch. Rows stop at the end token, so the decode steps each
   precision ran are printed beside it.
 
@@ -70,8 +70,8 @@ def time_both(run: Callable[[str], object], repeats: int) -> tuple[dict[str, flo
 def answer_batch(lm, rows: list[dict], soft_prompt):
     """The answer stage's inputs for ``rows``: per row the receiver prefix (soft prompt + question
     prompt, tokenized once here) and the answer token ids (answer + end token)."""
-    from ilcp import prompts
-    from ilcp.prefix import MemoryLayout, receiver_prefix
+    from ilcp.receiver import prompts
+    from ilcp.receiver.prefix import MemoryLayout, receiver_prefix
 
     prefixes = [receiver_prefix(lm.tokenizer, r["question"], source=MemoryLayout(), memory=soft_prompt) for r in rows]
     answers = [lm.tokenizer(prompts.answer_text(r["answer"], lm.tokenizer), add_special_tokens=False)["input_ids"]
@@ -85,7 +85,7 @@ def train_step(model, prefixes, answers, precision: str) -> float:
     import torch.nn.functional as F
 
     from ilcp.compat import logits_to_keep_kwargs
-    from ilcp.decoding import left_pad
+    from ilcp.receiver.decoding import left_pad
     from ilcp.precision import autocast
 
     with autocast(precision, "cpu"):
@@ -115,7 +115,7 @@ def context_embeddings(lm, tokens: int, text: str):
 
 def prefill(model, tokenizer, embeds, precision: str):
     """The receiver's prefill of ``embeds`` (L, H) under ``precision`` (one new token)."""
-    from ilcp.decoding import decode_one
+    from ilcp.receiver.decoding import decode_one
     from ilcp.precision import autocast
 
     with autocast(precision, "cpu"):
@@ -125,7 +125,7 @@ def prefill(model, tokenizer, embeds, precision: str):
 def decode(model, tokenizer, prefixes, precision: str, ids: bool = False):
     """`greedy_decode` of ``prefixes`` in one batch under ``precision``; with ``ids`` the token ids
     (`greedy_decode_ids`, the same decoder without the detokenization)."""
-    from ilcp.decoding import greedy_decode, greedy_decode_ids
+    from ilcp.receiver.decoding import greedy_decode, greedy_decode_ids
     from ilcp.precision import autocast
 
     with autocast(precision, "cpu"):

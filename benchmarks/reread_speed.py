@@ -25,7 +25,7 @@ from ilcp.lm import load_lm
 from ilcp.provenance import provenance
 from ilcp.rclc import sender_from_hf
 from ilcp.rclc.selectors import base, reread
-from ilcp.rclc_prompts import receiver_framing
+from ilcp.receiver.rclc_prompts import receiver_framing
 from ilcp.tasks import load_task
 
 

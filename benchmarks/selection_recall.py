@@ -35,7 +35,7 @@ from ilcp import rclc
 from ilcp.rclc import hf
 from ilcp.rclc.budget import position_budget
 from ilcp.rclc.selectors.sentences import Sentences
-from ilcp.rclc_prompts import SELECTORS, receiver_framing
+from ilcp.receiver.rclc_prompts import SELECTORS, receiver_framing
 
 TASKS = ("babi:1", "facts")
 BUDGETS = ("r16", "r8", "r4", "r2", "b16", "b32")

@@ -153,7 +153,7 @@ def refusals(args, receiver, sender) -> dict:
 
     from ilcp.engines import served
     from ilcp.engines.served import ServedReceiver
-    from ilcp.transport import PayloadError, pack
+    from ilcp.wire.payload import PayloadError, pack
 
     sent = []
     real = served._request

@@ -1,6 +1,6 @@
 """What memory slots cost the sender: its forward over the context, then the slot part alone.
 
-A slot encoder (`ilcp.memory_slots`) reads N = ceil(L / tokens_per_slot) learned tokens after a
+A slot encoder (`ilcp.encoder.slots`) reads N = ceil(L / tokens_per_slot) learned tokens after a
 context of L tokens. A sender that has not read the context pays the context forward and the slot
 part; one that just read it (an agent that prefilled its own context) hands over the forward's
 cache and pays the slot part alone (`ILCPHandoff.send_from_hidden_states` with ``use_cache=True``).
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from ilcp.babilong import background_sentences
+from ilcp.tasks.babilong_context import background_sentences
 from ilcp.compat import output_cache
 from ilcp.io import atomic_write_json
 from ilcp.lm import DEFAULT_LM, load_lm
-from ilcp.memory_slots import SlotTokens, slot_states
+from ilcp.encoder.slots import SlotTokens, slot_states
 from ilcp.provenance import provenance
 
 

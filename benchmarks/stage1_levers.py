@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 
 class Pooler(nn.Module):
-    """`ilcp.pooling.AttentionPooler` with the optional recency slope and story-only reading."""
+    """`ilcp.encoder.pooling.AttentionPooler` with the optional recency slope and story-only reading."""
 
     def __init__(self, dim: int, queries: int, recency: bool):
         super().__init__()
@@ -76,10 +76,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args()
 
-    from ilcp.compressor import BetaVAE
+    from ilcp.encoder.compressor import BetaVAE
     from ilcp.config import load_config
     from ilcp.lm import load_lm
-    from ilcp.pooling import pad_token_states
+    from ilcp.encoder.pooling import pad_token_states
     from ilcp.training.compressor_stage import stage_one_rows
     from ilcp.training.data import prepare_data, sender_max_length
 

@@ -41,7 +41,7 @@ def child(ckpt: str, dtype: str, requests: int, long_requests: int, answers: int
     from ilcp.handoff import ILCPHandoff
     from ilcp.metrics import exact_match
     from ilcp.tasks import load_babi, load_task
-    from ilcp.vllm_engine import create_engine
+    from ilcp.engines.build import create_engine
 
     config = read_config(ckpt)
     run = read_export(ckpt)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.ckpt, args.child, args.requests, args.long_requests, args.answers)))
         return 0
     from ilcp.export import ExportError, read_export
-    from ilcp.vllm_engine import require_vllm
+    from ilcp.engines.build import require_vllm
 
     try:
         if read_export(args.ckpt).encoder is None:

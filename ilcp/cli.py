@@ -447,7 +447,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     import importlib.util
     import shlex
 
-    from .encoder_config import ExportError
+    from .encoder.spec import ExportError
     from .engines.served import serve_command
 
     try:

@@ -20,7 +20,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .names import DEFAULT_LM, DEFAULT_SELECTOR, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS, pooling_kinds
-from .prompts import MEMORY_PLACEMENTS
+from .receiver.prompts import MEMORY_PLACEMENTS
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
@@ -87,7 +87,7 @@ class DataConfig:
         if problem is not None:
             raise ValueError(f"data.task: {problem}")
         if self.task.startswith("babilong"):
-            from .babilong import parse_babilong_name  # the standard library only
+            from .tasks.babilong_context import parse_babilong_name  # the standard library only
 
             try:
                 parse_babilong_name(self.task)

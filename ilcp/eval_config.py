@@ -5,7 +5,7 @@
 
 Every field carries its help text (``field(metadata={"help": ...})``) and `__post_init__` checks
 the values, so a bad setting is a one-line ValueError before any model loads. This module imports
-only the standard library, `ilcp.checks`, `ilcp.names` and `ilcp.vllm_engine` (``ilcp-eval`` builds it before
+only the standard library, `ilcp.checks`, `ilcp.names` and `ilcp.engines.build` (``ilcp-eval`` builds it before
 torch is imported); the method and task names are resolved by `evaluate`, which knows every family.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from .checks import check_key
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
-from .vllm_engine import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
+from .engines.build import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
 
 
 def _f(default, help: str):

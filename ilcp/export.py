@@ -23,7 +23,7 @@ the largest |z| its encoder gives over the validation and training rows
 no latent value, and still refuse memory that projects to NaN or infinity.
 
 The encoder's entries of config.json (sizes, pooling, placement, snap) are one typed dataclass,
-`ilcp.encoder_config.EncoderSpec`, which writes, checks and rebuilds them; the rest (LM, files,
+`ilcp.encoder.spec.EncoderSpec`, which writes, checks and rebuilds them; the rest (LM, files,
 digests, format version) is the run's and is checked here.
 
 Only trained modules are written, never the frozen LM. Every file is written atomically, and
@@ -56,12 +56,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from . import __version__
-from .encoder import ConstantMemory, ILCPEncoder, MemorySource
-from .encoder_config import EncoderSpec, ExportError
+from .encoder.model import ConstantMemory, ILCPEncoder, MemorySource
+from .encoder.spec import EncoderSpec, ExportError
 from .checks import check_key
 from .lm import LM, LMLoadError, load_lm
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text, file_kind
-from .memory_kinds import config_value
+from .encoder.kinds import config_value
 
 EXPORT_FORMAT = "ilcp-export"
 EXPORT_VERSION = EncoderSpec.VERSION

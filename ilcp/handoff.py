@@ -12,7 +12,7 @@
     receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=lm)
     receiver.receive(wire, "Where is John?")                        # the answer, e.g. "garden"
 
-`send` runs the sender forward training ran (`ilcp.pooling.sender_token_states`, over the
+`send` runs the sender forward training ran (`ilcp.encoder.pooling.sender_token_states`, over the
 context's last ``max_length`` tokens, right padded), then the run's `ILCPEncoder` pools the
 states (mean, or the trained attention pooler) and encodes z = mu, which is packed with the LM
 fingerprint into a `TransportPayload`. A sender that already
@@ -44,20 +44,20 @@ import torch
 from torch import Tensor, nn
 
 from .checks import positive_int, text_input
-from .decoding import greedy_decode
-from .encoder import ILCPEncoder
-from .encoder_config import EncoderSpec
+from .receiver.decoding import greedy_decode
+from .encoder.model import ILCPEncoder
+from .encoder.spec import EncoderSpec
 from .export import (CONFIG_FILE, ExportError, ExportedRun, check_fingerprint, load_export_lm, read_config,
                      read_export, save_encoder)
 from .lm import LM
 from .compat import output_cache_or_none
-from .memory_kinds import memory_kind_of
-from .memory_slots import slot_states
-from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
+from .encoder.kinds import memory_kind_of
+from .encoder.slots import slot_states
+from .encoder.pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
 from .precision import autocast, hold, resolve
-from .prefix import receiver_prefix
-from .prompts import reconstruction_prompt
-from .transport import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, TransportPayload, check_key, pack, unpack
+from .receiver.prefix import receiver_prefix
+from .receiver.prompts import reconstruction_prompt
+from .wire.payload import DEFAULT_MAX_ELEMENTS, PayloadError, ReplayGuard, TransportPayload, check_key, pack, unpack
 
 __all__ = ["ILCPHandoff", "answers_by_request"]
 
@@ -87,20 +87,20 @@ class ILCPHandoff:
         lm: the frozen LM bundle (model, tokenizer, spec) both agents run.
         encoder: the trained `ILCPEncoder` (pooler, beta-VAE, projector) of the export.
         config: the export's config.json as a dict: its LM entries (fingerprint, precision) and the
-            encoder's settings, read once into `spec` (`ilcp.encoder_config.EncoderSpec`).
+            encoder's settings, read once into `spec` (`ilcp.encoder.spec.EncoderSpec`).
         device: where the encoder runs; default the LM's device.
         payload_dtype: dtype of z on the wire: "float32", "float16", "bfloat16" or "int8" (per-row
-            absmax with a float32 scale; see `ilcp.transport`).
+            absmax with a float32 scale; see `ilcp.wire.payload`).
         auth_key: a key shared by sender and receiver (bytes, >= 16): `to_wire` seals payloads
             with HMAC-SHA256 (with a fresh nonce and the creation time) and `parse` refuses bytes
             whose tag does not verify, unsealed bytes and unsealed `TransportPayload` objects, a
-            sealed payload it accepted before, and one older than ``max_age`` (`ilcp.transport`
+            sealed payload it accepted before, and one older than ``max_age`` (`ilcp.wire.payload`
             says what the envelope promises and what it does not). None: the CRC-checked format
             only.
         max_age: with a key, seconds a sealed payload is accepted after it was sealed (None: no
             limit; replays are then refused as long as the receiver remembers their nonces).
         replay_window: with a key, seconds the receiver remembers the nonces it accepted;
-            default ``max_age`` (`ilcp.transport.ReplayGuard`, at most 65,536 nonces).
+            default ``max_age`` (`ilcp.wire.payload.ReplayGuard`, at most 65,536 nonces).
         precision: compute precision (`ilcp.precision`); default the config's ``lm.precision``.
         max_payload_latents: the most latents a payload may carry per question it is read with
             (`receive`, `prefixes`, the served and vLLM receivers), or in all when it is read
@@ -134,7 +134,7 @@ class ILCPHandoff:
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
         if not isinstance(encoder, ILCPEncoder) or encoder.projector is None:
-            raise ValueError("encoder must be a trained ilcp.encoder.ILCPEncoder with its projector")
+            raise ValueError("encoder must be a trained ilcp.encoder.model.ILCPEncoder with its projector")
         # Computed once: the LM bundle hashes its vocabulary again on every access.
         fingerprint = lm.fingerprint
         check_fingerprint(config, fingerprint)
@@ -640,7 +640,7 @@ class ILCPHandoff:
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
         """The receiver's prefixes (L_i, H), one per question and context, in the layout training
-        used (`ilcp.prefix.receiver_prefix`): ``[memory ; question prompt]``, or for a run trained
+        used (`ilcp.receiver.prefix.receiver_prefix`): ``[memory ; question prompt]``, or for a run trained
         with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the memory where the
         context text would stand."""
         memory = self.memory_vectors(payload, contexts=len(questions))

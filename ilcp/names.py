@@ -2,7 +2,7 @@
 
 This module imports only the standard library, so ``ilcp-train --help`` and a mistyped key answer without torch.
 The modules that use these names import them from here; where a module that imports torch
-builds its own list (`ilcp.transport`'s dtypes), tests/test_cli_startup.py checks that the two are equal.
+builds its own list (`ilcp.wire.payload`'s dtypes), tests/test_cli_startup.py checks that the two are equal.
 
 Each kind of name with an implementation behind it has one registry here, the only list of its
 names: RCLC selectors (`SELECTORS`), evaluation methods, families and groups (`METHODS`,
@@ -34,7 +34,7 @@ class Registered(NamedTuple):
 
 
 class RegisteredMemoryKind(NamedTuple):
-    """One memory kind: its settings class (``"module:attribute"``, an `ilcp.memory_kinds.MemoryKind`)
+    """One memory kind: its settings class (``"module:attribute"``, an `ilcp.encoder.kinds.MemoryKind`)
     and the values of config.json's ``pooling.kind`` (``compressor.pooling``) it reads."""
 
     target: str
@@ -47,13 +47,13 @@ DEFAULT_LM = "smollm2-135m-instruct"
 # compute precision (ilcp.precision)
 PRECISIONS = ("32-true", "bf16-mixed", "auto")
 
-# the ILCP memory source (ilcp.encoder): the memory kinds, which `ilcp.memory_kinds` registers in
+# the ILCP memory source (ilcp.encoder.model): the memory kinds, which `ilcp.encoder.kinds` registers in
 # this order (it asks each in turn whether a config.json's ``pooling`` object is its own)
 MEMORY_KINDS = {
-    "pooled": RegisteredMemoryKind("ilcp.memory_kinds:PooledMemory", ("mean", "attention")),
-    "chunked": RegisteredMemoryKind("ilcp.memory_kinds:ChunkedMemory", ("mean", "attention")),
-    "codec": RegisteredMemoryKind("ilcp.memory_kinds:CodecMemory", ("concat",)),
-    "slots": RegisteredMemoryKind("ilcp.memory_slots:SlotMemory", ("slots",)),
+    "pooled": RegisteredMemoryKind("ilcp.encoder.kinds:PooledMemory", ("mean", "attention")),
+    "chunked": RegisteredMemoryKind("ilcp.encoder.kinds:ChunkedMemory", ("mean", "attention")),
+    "codec": RegisteredMemoryKind("ilcp.encoder.kinds:CodecMemory", ("concat",)),
+    "slots": RegisteredMemoryKind("ilcp.encoder.slots:SlotMemory", ("slots",)),
 }
 
 
@@ -167,7 +167,7 @@ def unknown_task(name) -> str | None:
     return f"unknown task {name!r}; available: {forms}"
 
 
-# ilcp-eval's defaults (ilcp.evaluation.run, ilcp.evaluation.decoders, ilcp.transport)
+# ilcp-eval's defaults (ilcp.evaluation.run, ilcp.evaluation.decoders, ilcp.wire.payload)
 DEFAULT_LIMIT = 200
 DEFAULT_LATENCY_N = 20
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)

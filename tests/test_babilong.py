@@ -1,4 +1,4 @@
-"""ilcp.babilong: bAbI stories spread through public-domain prose to a length in the LM's tokens
+"""ilcp.tasks.babilong_context: bAbI stories spread through public-domain prose to a length in the LM's tokens
 (`babilong:<task>:<length>`), on the tiny LM's tokenizer."""
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ilcp import babilong
-from ilcp.babilong import (
+from ilcp.tasks import babilong_context as babilong
+from ilcp.tasks.babilong_context import (
     BABI_NAMES,
     GENERATOR_VERSION,
     babilong_context,
@@ -336,7 +336,7 @@ def test_a_run_trains_and_evaluates_on_a_babilong_task(tmp_path, tiny_lm):
 # ------------------------------------------------------------------------- story attention (training)
 
 def test_story_token_mask_marks_exactly_the_story(tokenizer):
-    from ilcp.babilong import story_spans, story_token_mask
+    from ilcp.tasks.babilong_context import story_spans, story_token_mask
     from ilcp.tasks import babilong_stories
 
     rows = load_task("babilong:1:0.5k", "validation", tokenizer=tokenizer, limit=3).to_list()
@@ -360,7 +360,7 @@ def test_story_token_mask_marks_exactly_the_story(tokenizer):
 def test_story_attention_loss_prefers_spread_over_the_story():
     import torch
 
-    from ilcp.pooling import AttentionPooler
+    from ilcp.encoder.pooling import AttentionPooler
     from ilcp.training.compressor_stage import story_attention_loss
 
     torch.manual_seed(0)
@@ -404,7 +404,7 @@ def test_a_run_learns_where_the_story_is(tmp_path, tiny_lm):
     result = train(cfg, lm=tiny_lm)
     mass = result.metrics["compressor"]["val/story_mass"]
     # an untrained pooler reads every token alike: its mass on the story is the story's share
-    from ilcp.babilong import story_token_mask
+    from ilcp.tasks.babilong_context import story_token_mask
     from ilcp.tasks import babilong_stories
 
     rows = load_task("babilong:1:0.5k", "validation", tokenizer=tiny_lm.tokenizer, variant="en", limit=8)
@@ -428,7 +428,7 @@ def test_a_mix_names_its_tasks_sorted():
 
 
 def test_a_mix_interleaves_each_tasks_own_rows(tokenizer):
-    from ilcp.babilong import story_token_mask
+    from ilcp.tasks.babilong_context import story_token_mask
     from ilcp.tasks import babilong_stories
 
     kwargs = {"tokenizer": tokenizer, "variant": "en"}

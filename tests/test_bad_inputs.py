@@ -31,7 +31,7 @@ from ilcp.handoff import ILCPHandoff
 from ilcp.lm import build_tiny_qwen3
 from ilcp.rclc import SnapshotError
 from ilcp.rclc.snapshot import content_digest, write_snapshot
-from ilcp.transport import SEAL_MAGIC, PayloadError, pack, seal
+from ilcp.wire.payload import SEAL_MAGIC, PayloadError, pack, seal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -1008,7 +1008,7 @@ def test_a_payload_is_checked_against_the_questions_before_anything_is_read_or_p
     huge = pack(torch.zeros(100_000, handoff.latent_dim), lm_fingerprint=handoff.fingerprint).to_bytes()
     projected = []
     monkeypatch.setattr(handoff.encoder, "memory", lambda *a, **k: projected.append(1))
-    monkeypatch.setattr("ilcp.transport._read_array", lambda *a, **k: pytest.fail("the tensor was read"))
+    monkeypatch.setattr("ilcp.wire.payload._read_array", lambda *a, **k: pytest.fail("the tensor was read"))
     with pytest.raises(PayloadError, match="100000 latent"):
         handoff.receive(huge, QUESTION)
     assert projected == []

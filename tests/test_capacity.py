@@ -6,16 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.compressor import BetaVAE
+from ilcp.encoder.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder import ILCPEncoder
+from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import read_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import masked_mean_pool, pad_token_states, split_chunks
-from ilcp.projector import GatedLatentToMemoryProjector
+from ilcp.encoder.pooling import masked_mean_pool, pad_token_states, split_chunks
+from ilcp.encoder.projector import GatedLatentToMemoryProjector
 from ilcp.training import train
 from ilcp.training.extraction import token_states
-from ilcp.transport import PayloadError, pack
+from ilcp.wire.payload import PayloadError, pack
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 CONTEXTS = ["Cedar is owned by Alice.", "John went to the garden. Mary moved to the hall. Sandra is in the office."]

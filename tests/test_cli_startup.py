@@ -124,7 +124,9 @@ def test_what_the_light_method_check_lets_through_the_registry_makes():
 
 
 def test_light_constants_equal_the_modules_that_use_them():
-    from ilcp import encoder, lm, transport
+    from ilcp import lm
+    from ilcp.encoder import model as encoder
+    from ilcp.wire import payload as transport
     from ilcp.evaluation import decoders
 
     assert (encoder.VOCABULARY_SNAPS, encoder.SNAP_METRICS) == (names.VOCABULARY_SNAPS, names.SNAP_METRICS)

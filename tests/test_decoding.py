@@ -1,4 +1,4 @@
-"""Prefix assembly and the batched greedy decoder (ilcp.decoding), plus ilcp.compat."""
+"""Prefix assembly and the batched greedy decoder (ilcp.receiver.decoding), plus ilcp.compat."""
 
 import copy
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ilcp import compat
-from ilcp.decoding import (
+from ilcp.receiver.decoding import (
     DecodeResult,
     answer_loss_and_greedy,
     assemble_prefix,
@@ -21,7 +21,7 @@ from ilcp.decoding import (
     stop_token_ids,
 )
 from ilcp.lm import build_tiny_qwen3, freeze
-from ilcp.prompts import question_prompt
+from ilcp.receiver.prompts import question_prompt
 
 H = 64
 

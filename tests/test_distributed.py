@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ilcp.config import load_config
-from ilcp.encoder import ConstantMemory
+from ilcp.encoder.model import ConstantMemory
 from ilcp.export import read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.training import train

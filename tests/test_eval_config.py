@@ -19,7 +19,7 @@ FAST = {"methods": ["no_context", "ilcp"], "limit": 4, "latency_n": 1, "max_new_
 
 
 def test_defaults_are_the_command_line_defaults_and_every_field_has_help():
-    from ilcp.vllm_engine import DEFAULT_KV_CACHE_BYTES
+    from ilcp.engines.build import DEFAULT_KV_CACHE_BYTES
 
     cfg = EvalConfig()
     assert (cfg.limit, cfg.latency_n, cfg.throughput_n) == (names.DEFAULT_LIMIT, names.DEFAULT_LATENCY_N,

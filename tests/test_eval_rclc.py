@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ilcp import rclc
-from ilcp.decoding import assemble_prefix, greedy_decode
+from ilcp.receiver.decoding import assemble_prefix, greedy_decode
 from ilcp.evaluation import session as eval_session
 from ilcp.tasks import BabiTask, EvalRows
 from ilcp.evaluation.registry import EvalContext, expand_method_names, make_method, method_groups
@@ -20,7 +20,7 @@ from ilcp.evaluation.rclc_methods import RCLC_METHODS, RCLC_QUICK, parse_rclc_na
 from ilcp.evaluation.run import evaluate
 from ilcp.export import read_export
 from ilcp.lm import LM
-from ilcp.prompts import cold_read_prompt, context_slot_prompt, question_prompt
+from ilcp.receiver.prompts import cold_read_prompt, context_slot_prompt, question_prompt
 from ilcp.rclc.hf import context_limit
 from ilcp.tasks import load_babi
 
@@ -173,7 +173,7 @@ def test_receive_is_the_shipped_receiver_path(ctx, rows, name, placement):
 
 
 def test_without_a_chat_template_r1_is_still_the_cold_read(ctx, rows):
-    """The plain-text prompts of ilcp.prompts (no chat template) map onto HFReceiver too."""
+    """The plain-text prompts of ilcp.receiver.prompts (no chat template) map onto HFReceiver too."""
     tok = copy.deepcopy(ctx.lm.tokenizer)
     tok.chat_template = None
     plain_ctx = EvalContext(lm=LM(model=ctx.lm.model, tokenizer=tok, spec=ctx.lm.spec), run=ctx.run)

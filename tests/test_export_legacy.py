@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.encoder_config import EncoderSpec
+from ilcp.encoder.spec import EncoderSpec
 from ilcp.export import ExportError, file_digest, read_config, read_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.memory_kinds import PooledMemory, memory_kind_for
+from ilcp.encoder.kinds import PooledMemory, memory_kind_for
 
 LEGACY = Path(__file__).resolve().parent / "data" / "exports" / "legacy-num-queries"
 CONTEXT, QUESTION = "Mary moved to the hallway. John went to the garden.", "Where is John?"

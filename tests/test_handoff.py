@@ -9,16 +9,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ilcp.config import load_config
-from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
-from ilcp.encoder import ILCPEncoder
+from ilcp.receiver.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
+from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
-from ilcp.memory_kinds import PooledMemory
-from ilcp.prompts import question_prompt
+from ilcp.encoder.kinds import PooledMemory
+from ilcp.receiver.prompts import question_prompt
 from ilcp.training import train
 from ilcp.training.extraction import pooled_states, token_states
-from ilcp.transport import PayloadError, TransportPayload, pack
+from ilcp.wire.payload import PayloadError, TransportPayload, pack
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -202,7 +202,7 @@ def test_int8_payload_carries_a_scale_and_answers_like_float32(handoff):
     assert payload.byte_length() == 2 * small.tensor_bytes and small.wire_bytes < handoff.wire_bytes
     exact = handoff.send(CONTEXTS).latent
     received = small.parse(payload.to_bytes(), contexts=2)
-    from ilcp.transport import unpack
+    from ilcp.wire.payload import unpack
 
     step = exact.abs().amax(-1, keepdim=True) / 127
     assert bool(((unpack(received, "cpu") - exact).abs() <= step / 2 + 1e-6).all())
@@ -215,7 +215,7 @@ def test_load_lm_spec_matches_the_fixture(tiny_lm):
 
 
 def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
-    from ilcp.pooling import pad_token_states
+    from ilcp.encoder.pooling import pad_token_states
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
                              "compressor.pooling=attention", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",

@@ -96,8 +96,8 @@ def test_evaluation_method_families_sit_on_the_registry():
 
 def test_rclc_imports_only_the_modules_it_may():
     """`ilcp.rclc` stands apart from the rest of the package: outside itself it imports the light
-    helpers only (`ilcp.names` for its registry of selectors, `ilcp.vllm_engine` for the vLLM adapter)."""
-    allowed = {"ilcp.compat", "ilcp.checks", "ilcp.io", "ilcp.lm", "ilcp.names", "ilcp.vllm_engine"}
+    helpers only (`ilcp.names` for its registry of selectors, `ilcp.engines.build` for the vLLM adapter)."""
+    allowed = {"ilcp.compat", "ilcp.checks", "ilcp.io", "ilcp.lm", "ilcp.names", "ilcp.engines.build"}
     found = {name: {e for e in edges if e != "ilcp.rclc" and not e.startswith("ilcp.rclc.")} - allowed
              for name, edges in import_graph().items() if name == "ilcp.rclc" or name.startswith("ilcp.rclc.")}
     assert {name: edges for name, edges in found.items() if edges} == {}
@@ -117,14 +117,14 @@ def probe_json(code: str):
 
 
 def test_the_runtime_handoff_does_not_load_lightning():
-    """`ilcp.handoff`, `ilcp.transport` and `ilcp.engines.served` run without the training stack:
+    """`ilcp.handoff`, `ilcp.wire.payload` and `ilcp.engines.served` run without the training stack:
     Lightning is loaded by `ilcp.training` alone (its extraction loop and stages)."""
     loaded = probe_json(
         "import json, sys\n"
         "def lightning():\n"
         "    return sorted(m for m in sys.modules if m in ('lightning', 'pytorch_lightning')\n"
         "                  or m.startswith(('lightning.', 'pytorch_lightning.')))\n"
-        "import ilcp.handoff, ilcp.transport, ilcp.engines.served\n"
+        "import ilcp.handoff, ilcp.wire.payload, ilcp.engines.served\n"
         "runtime = lightning()\n"
         "import ilcp.training.extraction\n"
         "print(json.dumps({'runtime': runtime, 'training': lightning()[:1]}))\n"

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from ilcp import compat, rclc
-from ilcp.decoding import assemble_prefix, greedy_decode_ids
+from ilcp.receiver.decoding import assemble_prefix, greedy_decode_ids
 from ilcp.evaluation.kv_relay import KVHandoff, RelayInputs, parse_kv_relay_name, relay_decode
 from ilcp.evaluation.registry import EvalContext, make_method
 from ilcp.evaluation.run import evaluate
 from ilcp.export import read_export
-from ilcp.prompts import question_prompt
+from ilcp.receiver.prompts import question_prompt
 from ilcp.tasks import load_babi
 
 REPO = Path(__file__).resolve().parent.parent

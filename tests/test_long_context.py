@@ -10,10 +10,10 @@ import torch
 
 from ilcp.config import load_config
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import length_batches, sender_token_states
+from ilcp.encoder.pooling import length_batches, sender_token_states
 from ilcp.training import extraction, train
 from ilcp.training.extraction import token_states
-from ilcp.transport import TransportPayload
+from ilcp.wire.payload import TransportPayload
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 SENTENCE = "The ship sailed north along the coast while the crew mended the nets. "

@@ -1,4 +1,4 @@
-"""ilcp.memory_slots: learned slot tokens the sender's LM reads after the context, one latent per
+"""ilcp.encoder.slots: learned slot tokens the sender's LM reads after the context, one latent per
 slot. The two-part forward equals one forward over [context ; slots]; the slot count grows with
 the context; a trained run sends, crosses the wire and receives as in process; a sender that kept
 its forward's cache pays only the slots; bad settings are refused in one line."""
@@ -9,20 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.compressor import BetaVAE
+from ilcp.encoder.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder_config import EncoderSpec, ExportError
+from ilcp.encoder.spec import EncoderSpec, ExportError
 from ilcp.handoff import ILCPHandoff
-from ilcp.memory_kinds import memory_kind_for
-from ilcp.memory_slots import (
+from ilcp.encoder.kinds import memory_kind_for
+from ilcp.encoder.slots import (
     SlotEncoder,
     SlotMemory,
     SlotTokens,
     slot_counts,
     slot_states,
 )
-from ilcp.pooling import pad_id_of, pad_right
-from ilcp.projector import GatedLatentToMemoryProjector
+from ilcp.encoder.pooling import pad_id_of, pad_right
+from ilcp.encoder.projector import GatedLatentToMemoryProjector
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -187,7 +187,7 @@ def test_eval_reads_a_slot_run_and_times_the_reused_sender(slot_run, tiny_lm):
 
 
 def test_prose_passages_stay_within_a_book_and_near_their_length(tiny_lm):
-    from ilcp.babilong import background_sentences
+    from ilcp.tasks.babilong_context import background_sentences
     from ilcp.training.reconstruction_stage import prose_passages
 
     passages = prose_passages(tiny_lm.tokenizer, "validation", 64)
@@ -259,7 +259,7 @@ def test_pretraining_stops_when_the_validation_loss_stops_falling(tmp_path, tiny
 
 
 def test_adapters_act_on_the_slots_only_and_leave_the_lm_as_it_was(tiny_lm):
-    from ilcp.memory_slots import adaptable_modules
+    from ilcp.encoder.slots import adaptable_modules
 
     model = tiny_lm.model
     modules = adaptable_modules(model, ["q_proj", "v_proj"])

@@ -75,7 +75,7 @@ def test_every_method_family_and_group_resolves_to_what_the_registry_makes():
 
 
 def test_every_memory_kind_resolves_to_the_class_that_reads_its_pooling_kinds():
-    from ilcp import memory_kinds
+    from ilcp.encoder import kinds as memory_kinds
 
     registered = memory_kinds.memory_kinds()
     assert list(registered) == list(names.MEMORY_KINDS)

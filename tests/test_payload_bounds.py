@@ -11,20 +11,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ilcp import transport
-from ilcp.compressor import BetaVAE
-from ilcp.encoder import ILCPEncoder
-from ilcp.encoder_config import EncoderSpec
+from ilcp.wire import payload as transport
+from ilcp.encoder.compressor import BetaVAE
+from ilcp.encoder.model import ILCPEncoder
+from ilcp.encoder.spec import EncoderSpec
 from ilcp.engines.served import ServedDecoder, ServedReceiver
 from ilcp.engines.vllm import VLLMReceiver
 from ilcp.export import ExportError, encoder_state, file_digest, read_config, read_export, sign_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.memory_kinds import ChunkedMemory
-from ilcp.memory_slots import SlotMemory
-from ilcp.projector import GatedLatentToMemoryProjector
+from ilcp.encoder.kinds import ChunkedMemory
+from ilcp.encoder.slots import SlotMemory
+from ilcp.encoder.projector import GatedLatentToMemoryProjector
 from ilcp.training import data as training_data
 from ilcp.training.data import HandoffRows, latent_bound
-from ilcp.transport import PayloadError, pack
+from ilcp.wire.payload import PayloadError, pack
 
 KEY = b"k" * 32
 CONTEXT, QUESTION = "Mary moved to the hallway. John went to the garden.", "Where is John?"

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp import pooling
-from ilcp.pooling import layer_states, masked_mean_pool
+from ilcp.encoder import pooling
+from ilcp.encoder.pooling import layer_states, masked_mean_pool
 from ilcp.training import extraction
 from ilcp.training.extraction import cached_pooled_states, pooled_states
 

@@ -1,5 +1,5 @@
 """One receiver prefix: training's teacher-forced sequences, validation decoding, ILCPHandoff,
-the evaluation methods and the vLLM receivers all read the rows `ilcp.prefix.receiver_prefix`
+the evaluation methods and the vLLM receivers all read the rows `ilcp.receiver.prefix.receiver_prefix`
 builds, and those rows are the layout the prompts module describes."""
 
 import copy
@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ilcp import prompts
-from ilcp.decoding import assemble_prefix
-from ilcp.encoder import ConstantMemory, FormatPrompt
+from ilcp.receiver import prompts
+from ilcp.receiver.decoding import assemble_prefix
+from ilcp.encoder.model import ConstantMemory, FormatPrompt
 from ilcp.evaluation.methods import ColdRead, ColdReadTuned, NoContext, PromptTuned
 from ilcp.evaluation.registry import Sent
 from ilcp.handoff import ILCPHandoff
-from ilcp.prefix import MemoryLayout, receiver_prefix
+from ilcp.receiver.prefix import MemoryLayout, receiver_prefix
 from ilcp.training.handoff_stage import HandoffModule
 
 CONTEXT = "John went to the garden. Mary moved to the hallway."

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from pathlib import Path
-from ilcp.compressor import BetaVAE
+from ilcp.encoder.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder import ILCPEncoder
+from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import read_export
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import AttentionPooler
+from ilcp.encoder.pooling import AttentionPooler
 from ilcp.training import ReconstructionModule, train
 from ilcp.training.data import HandoffRows, collate_rows
 from ilcp.training.extraction import token_states

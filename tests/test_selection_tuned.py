@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ilcp.config import DEFAULT_VARIANTS, load_config
-from ilcp.encoder import ConstantMemory
+from ilcp.encoder.model import ConstantMemory
 from ilcp.evaluation import rclc_methods
 from ilcp.evaluation.rclc_methods import parse_rclc_name, selection_prompt_ids
 from ilcp.evaluation.registry import EvalContext, make_method

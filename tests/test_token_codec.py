@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.compressor import BetaVAE
+from ilcp.encoder.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder import ILCPEncoder
+from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import ExportError, build_encoder, encoder_state, read_config
 from ilcp.handoff import ILCPHandoff
-from ilcp.pooling import ConcatPooler, first_state_is_embedding, sender_token_states
+from ilcp.encoder.pooling import ConcatPooler, first_state_is_embedding, sender_token_states
 from ilcp.tasks import fact_values
 from ilcp.training import ReconstructionModule, train
 from ilcp.training.data import HandoffRows, collate_rows, heldout_values, word_tokens
@@ -140,8 +140,8 @@ def test_a_concat_codec_run_exports_reloads_and_sends_one_latent_per_chunk(tmp_p
 
 
 def test_in_prompt_memory_stands_where_the_context_text_stands(tmp_path, tiny_lm):
-    from ilcp.decoding import embed_text
-    from ilcp.prompts import cold_read_prompt, memory_prompt
+    from ilcp.receiver.decoding import embed_text
+    from ilcp.receiver.prompts import cold_read_prompt, memory_prompt
 
     with pytest.raises(ValueError, match="memory_placement"):
         load_config(TINY_CONFIG, ["handoff.memory_placement=middle"])

@@ -9,8 +9,8 @@ import yaml
 from ilcp import training
 from ilcp.config import TrainConfig, load_config
 from ilcp.export import ExportError, check_fingerprint, read_export
-from ilcp.encoder import ILCPEncoder
-from ilcp.memory_kinds import PooledMemory
+from ilcp.encoder.model import ILCPEncoder
+from ilcp.encoder.kinds import PooledMemory
 from ilcp.training import HandoffModule, make_memory_source, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,9 +165,9 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
 
 def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
     """Only the answer's logits are computed; the loss must equal HF's loss with -100 labels."""
-    from ilcp import prompts
+    from ilcp.receiver import prompts
     from ilcp.config import HandoffConfig
-    from ilcp.decoding import left_pad
+    from ilcp.receiver.decoding import left_pad
 
     source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
     module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2))
@@ -224,7 +224,7 @@ def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
 
 
 def test_attention_run_reloads_to_the_same_memory_vectors(attention_run, tiny_lm):
-    from ilcp.pooling import pad_token_states
+    from ilcp.encoder.pooling import pad_token_states
     from ilcp.training.extraction import token_states
 
     _, result = attention_run
@@ -302,7 +302,7 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
 
 
 def test_stage_one_scores_nothing_rather_than_nan_when_no_answer_is_known(tiny_lm):
-    from ilcp.compressor import BetaVAE
+    from ilcp.encoder.compressor import BetaVAE
     from ilcp.config import CompressorConfig
 
     module = training.CompressorModule(ILCPEncoder(BetaVAE(8, 4, 16)),
@@ -328,9 +328,9 @@ def test_baselines_alone_extract_no_sender_states(tmp_path, tiny_lm):
 
 
 def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):
-    from ilcp.compressor import BetaVAE
+    from ilcp.encoder.compressor import BetaVAE
     from ilcp.config import HandoffConfig
-    from ilcp.pooling import AttentionPooler
+    from ilcp.encoder.pooling import AttentionPooler
 
     pooler = AttentionPooler(tiny_lm.hidden_size, 2)
     encoder = ILCPEncoder(BetaVAE(2 * tiny_lm.hidden_size, 4, 16), pooler=pooler)
@@ -378,8 +378,8 @@ def test_train_py_reports_a_foreign_stage_file_as_an_error_not_a_traceback(tmp_p
 def test_distillation_adds_the_kl_to_the_text_reading_teacher_in_training_only(tiny_lm):
     import torch.nn.functional as F
 
-    from ilcp import prompts
-    from ilcp.compressor import BetaVAE
+    from ilcp.receiver import prompts
+    from ilcp.encoder.compressor import BetaVAE
     from ilcp.config import HandoffConfig
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""TransportPayload, pack/unpack and the wire format (ilcp.transport)."""
+"""TransportPayload, pack/unpack and the wire format (ilcp.wire.payload)."""
 
 import math
 import random
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ilcp.transport import (
+from ilcp.wire.payload import (
     DEFAULT_MAX_ELEMENTS,
     DTYPES,
     FORMAT_VERSION,

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ilcp.compressor import BetaVAE
+from ilcp.encoder.compressor import BetaVAE
 from ilcp.config import load_config
-from ilcp.encoder import ILCPEncoder, snap_to_vocabulary
+from ilcp.encoder.model import ILCPEncoder, snap_to_vocabulary
 from ilcp.export import ExportError, read_config
 from ilcp.handoff import ILCPHandoff
 from ilcp.training import train
@@ -189,7 +189,7 @@ def test_validate_start_measures_the_starting_weights_and_keeps_them_unless_beat
 
 
 def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_lm):
-    from ilcp.pooling import ConcatPooler
+    from ilcp.encoder.pooling import ConcatPooler
     from ilcp.training.extraction import token_states
     from ilcp.training import ReconstructionModule
     from ilcp.training.data import HandoffRows, collate_rows

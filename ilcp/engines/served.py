@@ -15,9 +15,9 @@ tokenizer, never its transformer layers, and decodes over HTTP.
 What runs where. The receiving agent parses the payload (CRC, LM fingerprint, shape, latent count
 and values as `ILCPHandoff.parse` does, and with an ``auth_key`` the HMAC seal, the nonce and the
 age: the payload stays sealed until this process opens it), projects z to the K memory vectors
-with the run's projector and builds the prefix rows with `ilcp.prefix.receiver_prefix` from the
+with the run's projector and builds the prefix rows with `ilcp.receiver.prefix.receiver_prefix` from the
 embedding table. The server gets those rows as ``prompt_embeds`` on its completions endpoint and
-decodes greedily; the client cuts the returned token ids with `ilcp.decoding.cut_answer` (the
+decodes greedily; the client cuts the returned token ids with `ilcp.receiver.decoding.cut_answer` (the
 stop rule of the HF decoder and of `ilcp.engines.vllm.VLLMDecoder`) and decodes them with its
 tokenizer. In float32 the answers equal the in-process receivers'.
 
@@ -58,13 +58,13 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import positive_int, text_input
-from ..decoding import cut_answer, decoded_answer, stop_token_ids
+from ..receiver.decoding import cut_answer, decoded_answer, stop_token_ids
 from ..export import read_config, read_export
 from ..handoff import ILCPHandoff, answers_by_request
 from ..lm import LM, tensor_bytes, vocab_hash
 from ..names import DEFAULT_LM
-from ..transport import TransportPayload
-from ..vllm_engine import check_prefix
+from ..wire.payload import TransportPayload
+from .build import check_prefix
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -126,7 +126,7 @@ def _parse_served_name(name: str) -> tuple[str, str] | None:
 
 class EmbeddingTable(nn.Module):
     """A causal LM's input embeddings and configuration, without its layers: what
-    `ilcp.prefix.ReceiverPrefix.embeds` and `ILCPHandoff`'s receiver side read of a model.
+    `ilcp.receiver.prefix.ReceiverPrefix.embeds` and `ILCPHandoff`'s receiver side read of a model.
 
     Attributes:
         config: the model's ``transformers`` configuration.
@@ -348,7 +348,7 @@ class ServedDecoder:
 
     def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
         """Raise ValueError for a prefix the server cannot take: not an (L >= 1, H) float tensor,
-        or L + max_new_tokens past the served max_model_len (`ilcp.vllm_engine.check_prefix`)."""
+        or L + max_new_tokens past the served max_model_len (`ilcp.engines.build.check_prefix`)."""
         check_prefix(prefix, self.lm.hidden_size, max_new_tokens, self.max_model_len, index, holder="server")
 
     def request_body(self, prefixes: Sequence[Tensor], max_new_tokens: int) -> dict:
@@ -403,7 +403,7 @@ class ServedDecoder:
 
     def decode(self, prefixes: Sequence[Tensor], *, max_new_tokens: int = 8,
                stop_at_newline: bool = False) -> list[str]:
-        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.receiver.decoding.greedy_decode` returns them."""
         ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
         return [decoded_answer(self.lm.tokenizer, row, stop_at_newline) for row in ids]
 

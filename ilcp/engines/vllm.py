@@ -15,8 +15,8 @@ vLLM engine, and senders may read their token states from a vLLM pooling engine.
 
 The receiver builds its prefixes with `ILCPHandoff.prefixes` (the HF LM's input embeddings of the
 question prompt, after the K memory vectors), sends them to ``llm.generate`` as
-``{"prompt_embeds": (L, H)}``, greedy, and applies `ilcp.decoding.greedy_decode`'s stop rule to
-the returned token ids: the answer ends before the first id of `ilcp.decoding.stop_token_ids`
+``{"prompt_embeds": (L, H)}``, greedy, and applies `ilcp.receiver.decoding.greedy_decode`'s stop rule to
+the returned token ids: the answer ends before the first id of `ilcp.receiver.decoding.stop_token_ids`
 (vLLM's own end-of-sequence handling is off, so the two engines stop on the same ids), and with
 ``stop_at_newline`` once the answer has a complete first line, of which only that line is kept.
 In float32 the answers equal the HF decoder's. The engine must serve the handoff's LM: its hidden
@@ -26,7 +26,7 @@ The sender runs the pooling engine (``runner="pooling"``, ``convert="embed"``, p
 ``token_embed`` without activation) over the same token ids `ILCPHandoff.sender_inputs` gives
 (no special tokens, the last ``max_length`` tokens) and feeds the states to the run's encoder as
 `ILCPHandoff.latents` does. That engine returns the last layer only: runs that pool other layers
-are refused. `create_engine` and `engine_kwargs` are `ilcp.vllm_engine`'s, where every ILCP
+are refused. `create_engine` and `engine_kwargs` are `ilcp.engines.build`'s, where every ILCP
 engine is built.
 
 vLLM is not a dependency of the package: `scripts/install.sh` builds a second environment,
@@ -49,11 +49,11 @@ import torch
 from torch import Tensor
 
 from ..checks import positive_int
-from ..decoding import cut_answer, decoded_answer, stop_token_ids
+from ..receiver.decoding import cut_answer, decoded_answer, stop_token_ids
 from ..handoff import MAX_SEND_CHARACTERS, ILCPHandoff, answers_by_request
 from ..lm import LM
-from ..transport import TransportPayload
-from ..vllm_engine import check_prefix, create_engine, engine_kwargs, require_vllm
+from ..wire.payload import TransportPayload
+from .build import check_prefix, create_engine, engine_kwargs, require_vllm
 
 __all__ = [
     "VLLMDecoder",
@@ -191,7 +191,7 @@ def _runner(config) -> str:
 class VLLMDecoder:
     """Greedy decoding of receiver prefixes through a vLLM engine, with the HF decoder's stop rule.
 
-    What `ilcp.decoding.greedy_decode` does for an (L_i, H) prefix list, for any receiver whose
+    What `ilcp.receiver.decoding.greedy_decode` does for an (L_i, H) prefix list, for any receiver whose
     prefixes live in ``lm``'s embedding space (ILCP memory vectors, tuned vectors, prompt text,
     received rows): `VLLMReceiver` decodes with one, and so does ``eval.py --engine vllm``.
 
@@ -245,7 +245,7 @@ class VLLMDecoder:
     def check_prefix(self, prefix: Tensor, max_new_tokens: int, index: int = 0) -> None:
         """Raise ValueError when the engine cannot take ``prefix`` as prompt embeddings: not an
         (L >= 1, H) float tensor, or L + max_new_tokens past the engine's max_model_len
-        (`ilcp.vllm_engine.check_prefix`)."""
+        (`ilcp.engines.build.check_prefix`)."""
         check_prefix(prefix, self.lm.hidden_size, max_new_tokens, self.max_model_len, index, holder="engine")
 
     def decode_ids(
@@ -281,7 +281,7 @@ class VLLMDecoder:
         max_new_tokens: int = 8,
         stop_at_newline: bool = False,
     ) -> list[str]:
-        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.receiver.decoding.greedy_decode` returns them."""
         ids = self.decode_ids(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
         return [decoded_answer(self.lm.tokenizer, row, stop_at_newline) for row in ids]
 
@@ -335,7 +335,7 @@ class VLLMReceiver:
         max_new_tokens: int = 8,
         stop_at_newline: bool = False,
     ) -> list[str]:
-        """Greedy answers of (L_i, H) prefixes, as `ilcp.decoding.greedy_decode` returns them."""
+        """Greedy answers of (L_i, H) prefixes, as `ilcp.receiver.decoding.greedy_decode` returns them."""
         return self.decoder.decode(prefixes, max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline)
 
     @staticmethod

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ..decoding import greedy_decode
+from ..receiver.decoding import greedy_decode
 from ..engines.vllm import VLLMDecoder
-from ..pooling import context_lengths
+from ..encoder.pooling import context_lengths
 from ..progress import tracked
 from .decoders import compare, vllm_unavailable
 from .rclc_methods import SenderStates

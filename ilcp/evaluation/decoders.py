@@ -1,7 +1,7 @@
 """The receiver's decoding engines in the evaluation: the HF greedy decoder, and vLLM beside it.
 
 ``evaluate(..., engine="vllm")`` decodes every method's receiver prefixes twice, with the HF
-decoder (`ilcp.decoding.greedy_decode`) and through one vLLM engine
+decoder (`ilcp.receiver.decoding.greedy_decode`) and through one vLLM engine
 (`ilcp.engines.vllm.VLLMDecoder`: ``prompt_embeds``, greedy, the same stop rule and token
 budget), and reports both engines' accuracy on the same questions and their agreement: the
 fraction of questions whose normalised answers (`ilcp.metrics.normalize_answer` of the first
@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..decoding import greedy_decode
+from ..receiver.decoding import greedy_decode
 from ..engines.vllm import VLLMDecoder, model_directory
 from ..lm import LM
 from ..metrics import first_line, normalize_answer
 from ..names import ENGINES
 from ..stats import wilson_interval
-from ..vllm_engine import DEFAULT_KV_CACHE_BYTES, create_engine, require_vllm
+from ..engines.build import DEFAULT_KV_CACHE_BYTES, create_engine, require_vllm
 from .registry import HandoffMethod
 from .report import accepted_answers, accuracy_summary
 

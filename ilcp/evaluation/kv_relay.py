@@ -24,13 +24,13 @@ selects among the context's positions exactly as above, and hands over the kept 
 the receiver holds the head's entries (its own prompt: not counted in the bytes) and the relayed
 ones, and decodes the rest of the cold-read prompt (the question and the assistant header) after
 them. At ``r1`` this is the cold read itself, computed by the sender. With ``:prefix`` the
-receiver decodes the question prompt (`ilcp.prompts.question_prompt`, a fresh chat turn) after
+receiver decodes the question prompt (`ilcp.receiver.prompts.question_prompt`, a fresh chat turn) after
 the entries of the context alone; this 135M receiver does not read a context placed so.
 
 Receiver (timed as receiver time): a fresh cache holding the kept entries (`receive`), then the
 prompt decoded after it. The kept keys carry the rotary positions the sender gave them, so the
 receiver's tokens continue at position T (the sender's full length) and attend to every kept
-position and to each other; greedy, with `ilcp.decoding`'s stop rule and the evaluation's
+position and to each other; greedy, with `ilcp.receiver.decoding`'s stop rule and the evaluation's
 max_new_tokens.
 
 The prefix is a KV cache, not embedding rows, so these rows decode themselves
@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from .. import compat, rclc
-from ..decoding import DecodeResult, decoded_answer, has_line, stop_token_ids  # the shared stop rule
-from ..prompts import question_prompt
+from ..receiver.decoding import DecodeResult, decoded_answer, has_line, stop_token_ids  # the shared stop rule
+from ..receiver.prompts import question_prompt
 from ..rclc.hf import context_limit
 from .rclc_methods import SELECTORS, parse_selection_name, receiver_framing, sender_states
 from .registry import Decoded, EvalContext, HandoffMethod, Sent
@@ -163,12 +163,12 @@ def relay_decode(model, tokenizer, inputs: RelayInputs, *, max_new_tokens: int, 
 
     The prompt's tokens get positions ``T .. T + q - 1`` and an attention mask over the k kept
     and q new positions; each generated token continues one position further. The stop rule is
-    `ilcp.decoding.greedy_decode`'s (stop tokens, and with ``stop_at_newline`` a complete first line).
+    `ilcp.receiver.decoding.greedy_decode`'s (stop tokens, and with ``stop_at_newline`` a complete first line).
 
     Returns:
         a `DecodeResult` (``prefill_positions`` = k + q, the positions the first token attends
         to); with ``details``, ``(result, answer token ids, the first token's logits)``: the ids
-        as `ilcp.decoding.greedy_decode_ids` gives them (stop token excluded), the logits [vocab]
+        as `ilcp.receiver.decoding.greedy_decode_ids` gives them (stop token excluded), the logits [vocab]
         float32 on the CPU.
     """
     stops = stop_token_ids(model, tokenizer) if stops is None else stops

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..names import DEFAULT_METHODS
-from ..prefix import MemoryLayout, receiver_prefix
+from ..receiver.prefix import MemoryLayout, receiver_prefix
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent
 
 __all__ = ["DEFAULT_METHODS", "ColdRead", "ColdReadTuned", "ILCPMethod", "NoContext", "PromptTuned"]

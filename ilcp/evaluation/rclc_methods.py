@@ -18,7 +18,7 @@ dtype: wire bytes = tensor bytes = ``Delivery.nbytes`` (rows x hidden x element 
 framing is counted).
 
 Receiver (timed as receiver time): the shipped `ilcp.rclc.HFReceiver`, built once per method
-from the prompt texts of `ilcp.prompts` (`receiver_framing`), takes the delivery
+from the prompt texts of `ilcp.receiver.prompts` (`receiver_framing`), takes the delivery
 (``receiver(delivery)``) and ``receiver.pop()`` returns the inputs whose ``inputs_embeds`` are
 the prefix:
 
@@ -71,7 +71,7 @@ from torch import Tensor
 
 from .. import rclc
 from ..rclc.hf import context_limit
-from ..rclc_prompts import SELECTORS, ReceiverFraming, receiver_framing, selection_prompt_ids
+from ..receiver.rclc_prompts import SELECTORS, ReceiverFraming, receiver_framing, selection_prompt_ids
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent
 
 __all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..decoding import DecodeResult
+from ..receiver.decoding import DecodeResult
 from ..export import ExportedRun
 from ..handoff import ILCPHandoff
 from ..lm import LM
@@ -210,7 +210,7 @@ class HandoffMethod:
     def decode_received(self, received, row: dict, *, max_new_tokens: int,
                         stop_at_newline: bool = True) -> DecodeResult:
         """The timed receiver of a method that decodes itself: decode from what `receive`
-        returned, timed as `ilcp.decoding.decode_one` times a prefix. Only called when
+        returned, timed as `ilcp.receiver.decoding.decode_one` times a prefix. Only called when
         ``decodes_itself``."""
         raise NotImplementedError(f"{self.name} decodes through the shared greedy decoder")
 

@@ -50,7 +50,7 @@ from ..eval_config import EvalConfig
 from ..formatting import percent
 from ..io import atomic_write_text
 from ..lm import LM
-from ..pooling import context_lengths
+from ..encoder.pooling import context_lengths
 from ..precision import autocast
 from ..progress import keep_talking, lines
 from ..provenance import provenance

@@ -21,7 +21,7 @@ from ..lm import LM
 from ..names import split_task_names
 from ..precision import hold, resolve
 from ..tasks import EvalTaskContext, Task, resolve_task
-from ..vllm_engine import require_vllm
+from ..engines.build import require_vllm
 from .decoders import require_engine, start_vllm
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, expand_method_names, make_method
 

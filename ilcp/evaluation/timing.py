@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..decoding import decode_one
+from ..receiver.decoding import decode_one
 from ..progress import tracked
 from ..stats import latency_summary
 from .registry import HandoffMethod

@@ -52,7 +52,7 @@ from ilcp.rclc import hf
 from ilcp.rclc._runtime import MODEL_LOCK
 from ilcp.rclc.backends import BackendUnavailableError, HFBackend, register_vllm_backend, vllm_version
 from ilcp.rclc.state import SenderState
-from ilcp.vllm_engine import create_engine
+from ilcp.engines.build import create_engine
 
 __all__ = [
     "CAPTURE_UNSUPPORTED",
@@ -151,7 +151,7 @@ def engine_model(llm) -> nn.Module:
 
 
 def start_engine(directory, *, max_model_len: int | None = None, kv_cache_bytes: int = 64 << 20, dtype: str = "auto"):
-    """An in-process engine the adapter can bind: `ilcp.vllm_engine.create_engine` (prompt
+    """An in-process engine the adapter can bind: `ilcp.engines.build.create_engine` (prompt
     embeddings on, eager) with ``enable_prefix_caching=False``, ``tensor_parallel_size=1``, a small
     fixed KV cache and, unless ``max_model_len`` is given, the model's own context. Sets
     VLLM_ENABLE_V1_MULTIPROCESSING=0 unless it is set already.

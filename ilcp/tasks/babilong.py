@@ -1,4 +1,4 @@
-"""``babilong:<task>:<length>`` rows (`ilcp.babilong` builds the contexts): the rows of bAbI task
+"""``babilong:<task>:<length>`` rows (`ilcp.tasks.babilong_context` builds the contexts): the rows of bAbI task
 ``<task>``, each story's sentences spread, in order, through public-domain prose until the context
 is ``<length>`` tokens of the LM's tokenizer (``0``, ``0.5k``, ``1k``, ``2k``, ``4k`` or a number).
 A mix (``babilong:1+7+8:0.5k``) interleaves its tasks' rows in proportion to their sizes; eval
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..babilong import (GENERATOR_VERSION, BabilongTask, background_key, babilong_context, length_label,
+from .babilong_context import (GENERATOR_VERSION, BabilongTask, background_key, babilong_context, length_label,
                         parse_babilong_name, story_sentences, tokenizer_key)
 from .babi import babi_file, check_test_files, load_babi
 from .base import check_limit, check_split, interleave, source_key, to_dataset
@@ -62,7 +62,7 @@ def babilong_stories(name: str, split: str, *, variant: str = "en",
                      validation_fraction: float = 0.1, seed: int = 0, **_ignored) -> list[list[str]]:
     """The bAbI story (its sentences, in order) behind each row `load_babilong` gives for the same
     arguments, row for row; other keyword arguments of `load_babilong` are accepted and ignored.
-    With `ilcp.babilong.story_token_mask` it says which context tokens are the story's: a
+    With `ilcp.tasks.babilong_context.story_token_mask` it says which context tokens are the story's: a
     training signal only (the sender is never told)."""
     task = parse_babilong_name(name)
     if len(task.numbers) > 1:
@@ -155,7 +155,7 @@ class BabilongTaskEntry(Task):
         available = len(load_babi(number, "test", variant="en"))
         rows = load_babilong(self.name, "test", tokenizer=context.tokenizer, variant="en", limit=limit).to_list()
         desc = (f"bAbI en test file {babi_file(number, 'test', variant='en').name} in {length}-token contexts of "
-                "test background (ilcp.babilong, seed 0)")
+                "test background (ilcp.tasks.babilong_context, seed 0)")
         return EvalRows(rows, available, desc)
 
     def check_evaluable(self) -> None:

@@ -27,13 +27,13 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import export
-from ..compressor import BetaVAE, active_units
+from ..encoder.compressor import BetaVAE, active_units
 from ..config import CompressorConfig, TrainConfig
-from ..encoder import ILCPEncoder, sender_states_of
+from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
-from ..memory_kinds import MemoryKind, memory_kind_for
-from ..memory_slots import SlotEncoder, adaptable_modules
-from ..pooling import AttentionPooler, ConcatPooler
+from ..encoder.kinds import MemoryKind, memory_kind_for
+from ..encoder.slots import SlotEncoder, adaptable_modules
+from ..encoder.pooling import AttentionPooler, ConcatPooler
 from .data import HandoffRows, collate_rows, pooled_rows, row_loader, sender_max_length
 from .distributed import gather_rows, save_stage
 from .log import ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts, prepare_stage_log, say
@@ -187,7 +187,7 @@ def story_attention_loss(pooler: AttentionPooler, tokens: Tensor, token_mask: Te
 
 
 def memory_kind(cfg: TrainConfig) -> MemoryKind:
-    """The registered memory kind (`ilcp.memory_kinds`) the config's compressor settings name."""
+    """The registered memory kind (`ilcp.encoder.kinds`) the config's compressor settings name."""
     c = cfg.compressor
     return memory_kind_for({"kind": c.pooling, "pool_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens,
                             "tokens_per_slot": c.tokens_per_slot, "min_slots": c.min_slots, "max_slots": c.max_slots})

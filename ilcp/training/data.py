@@ -19,10 +19,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..config import TrainConfig
-from ..encoder import ILCPEncoder, sender_states_of
+from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
-from ..pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
-from ..babilong import story_token_mask
+from ..encoder.pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
+from ..tasks.babilong_context import story_token_mask
 from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
 from .extraction import cache_dtype, cached_pooled_states, cached_token_states

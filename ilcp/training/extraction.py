@@ -6,7 +6,7 @@ predict loop, and an on-disk cache read through a memory map.
     lm = load_lm()
     pooled = pooled_states(lm, ["John went to the garden.", "Mary is in the hall."])  # (2, 576)
 
-Extraction runs the sender's forward (`ilcp.pooling.sender_token_states`) through a Lightning
+Extraction runs the sender's forward (`ilcp.encoder.pooling.sender_token_states`) through a Lightning
 predict loop, so the same code uses any Trainer strategy (pass ``trainer_kwargs={"devices": 4,
 "strategy": "ddp"}``). Each rank appends every batch's states to its own shard as the batch ends,
 and the shards are merged into one safetensors file by streaming them in row order: no step holds
@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..lm import LM, default_cache_dir
-from ..pooling import (TOKENIZE_CHUNK, TokenStates, length_batches, masked_mean_pool, pad_id_of, pad_right,
+from ..encoder.pooling import (TOKENIZE_CHUNK, TokenStates, length_batches, masked_mean_pool, pad_id_of, pad_right,
                        sender_token_states, tokenize_contexts)
 from ..progress import Ticker, bars, lines
 from .log import say

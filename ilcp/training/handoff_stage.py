@@ -1,6 +1,6 @@
 """Stage 2: a memory source trained through the frozen LM on the answer tokens.
 
-Every variant is a memory source (`ilcp.encoder`) trained with one recipe and step budget:
+Every variant is a memory source (`ilcp.encoder.model`) trained with one recipe and step budget:
 ``ilcp`` (an `ILCPEncoder`: latent -> K memory vectors, + question prompt), ``prompt_tuned`` (a
 `ConstantMemory`, + question prompt), ``cold_read_tuned`` (a `ConstantMemory` that also reads
 the context text) and, when asked for, ``selection_tuned`` (a `ConstantMemory` that reads an RCLC
@@ -27,15 +27,16 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from safetensors.torch import load_file
 from torch import Tensor
 
-from .. import export, prompts
+from .. import export
+from ..receiver import prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import HandoffConfig, TrainConfig
-from ..decoding import answer_loss_and_greedy, greedy_decode, left_pad
-from ..encoder import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
+from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
+from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
-from ..prefix import ReceiverPrefix, receiver_prefix
-from ..projector import GatedLatentToMemoryProjector
+from ..receiver.prefix import ReceiverPrefix, receiver_prefix
+from ..encoder.projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from ..io import atomic_save_safetensors
 from .distributed import broadcast, is_main, reduce_sum, save_stage
@@ -108,7 +109,7 @@ class HandoffModule(L.LightningModule):
         cfg: stage-2 settings.
         val_decode_size: validation rows (the first ones) decoded for exact match.
         selected: for selection_tuned, the prompt token IDs of each ``(context, question)``
-            (`ilcp.rclc_prompts.selection_prompt_ids`), which replace the cold-read
+            (`ilcp.receiver.rclc_prompts.selection_prompt_ids`), which replace the cold-read
             prompt of a source that reads the context; None: the context text.
         teacher: the distillation teacher's vectors (cold_read_tuned's, frozen), read in front of
             the text; None: the plain cold read.
@@ -152,7 +153,7 @@ class HandoffModule(L.LightningModule):
         return loss, kl
 
     def prefix(self, memory: Tensor | None, context: str, question: str, with_context: bool) -> ReceiverPrefix:
-        """One row's receiver prefix (`ilcp.prefix.receiver_prefix`): this source's layout around
+        """One row's receiver prefix (`ilcp.receiver.prefix.receiver_prefix`): this source's layout around
         ``memory`` (K, H), or with ``memory`` None the text alone (the cold read when
         ``with_context``, the distillation teacher); selection_tuned reads its selected rows in
         place of the context."""
@@ -260,7 +261,7 @@ class HandoffModule(L.LightningModule):
     @torch.no_grad()
     def _loss_and_answers(self, batch: dict) -> tuple[Tensor, list[str]]:
         """The teacher-forced answer loss and the greedy answers of a batch, from one prefill of
-        its receiver prefixes (`ilcp.decoding.answer_loss_and_greedy`)."""
+        its receiver prefixes (`ilcp.receiver.decoding.answer_loss_and_greedy`)."""
         memory, _ = self.memory(batch)
         with_context = self.source.reads_context_text
         prefixes, targets = [], []
@@ -342,7 +343,7 @@ def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dic
     """selection_tuned's prompts for every training and validation row, computed once for the
     stage and kept in memory: each distinct context prefilled once by the RCLC sender, then
     ``cfg.selection_selector`` at ``r<cfg.selection_ratio>`` for each of its questions."""
-    from ..rclc_prompts import selection_prompt_ids  # the eval row's framing and selection
+    from ..receiver.rclc_prompts import selection_prompt_ids  # the eval row's framing and selection
 
     t0 = time.perf_counter()
     rows = list(data.train.rows) + list(data.val.rows)

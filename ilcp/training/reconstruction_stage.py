@@ -2,7 +2,7 @@
 the context back.
 
 From the K memory vectors alone, followed by a fixed instruction
-(`ilcp.prompts.reconstruction_prompt`), the frozen LM is trained, teacher-forced, to regenerate
+(`ilcp.receiver.prompts.reconstruction_prompt`), the frozen LM is trained, teacher-forced, to regenerate
 the sender's context text; the cross-entropy over the context tokens trains the pooler, the
 beta-VAE encoder and the projector end to end. It needs no labels, so it runs on every distinct
 training context before the answer stage (``reconstruct.steps > 0``), the way ICAE,
@@ -26,14 +26,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from .. import export, prompts
-from ..babilong import background_sentences, is_babilong_name, parse_babilong_name
+from .. import export
+from ..receiver import prompts
+from ..tasks.babilong_context import background_sentences, is_babilong_name, parse_babilong_name
 from ..tasks import resolve_task
-from ..prefix import receiver_prefix
+from ..receiver.prefix import receiver_prefix
 from ..config import TrainConfig
-from ..encoder import ILCPEncoder
+from ..encoder.model import ILCPEncoder
 from ..lm import LM
-from ..pooling import sender_token_states, tokenize_contexts
+from ..encoder.pooling import sender_token_states, tokenize_contexts
 from .data import HandoffDataModule, HandoffRows, heldout_values, sender_max_length, word_tokens
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
@@ -176,7 +177,7 @@ class ReconstructionModule(HandoffModule):
         return self.training and self.global_step < self.reconstruct_cfg.token_steps
 
     def context_token_ids(self, contexts: list[str]) -> list[list[int]]:
-        """The tokens the sender's states were computed from (as `ilcp.pooling` tokenizes them)."""
+        """The tokens the sender's states were computed from (as `ilcp.encoder.pooling` tokenizes them)."""
         return tokenize_contexts(self.tokenizer, contexts, self.max_context_tokens)
 
     def _token_loss(self, memory: list[Tensor], token_ids: list[list[int]]) -> tuple[Tensor, Tensor]:

@@ -132,11 +132,11 @@ def smollm2_handoff(vllm_folder, smollm2_lm):
     """An `ILCPHandoff` for SmolLM2 from a freshly initialised encoder (seeded), exported and read back."""
     import torch
 
-    from ilcp.compressor import BetaVAE
-    from ilcp.encoder import ILCPEncoder
+    from ilcp.encoder.compressor import BetaVAE
+    from ilcp.encoder.model import ILCPEncoder
     from ilcp.export import EXPORT_FORMAT, EXPORT_VERSION, save_encoder
     from ilcp.handoff import ILCPHandoff
-    from ilcp.projector import GatedLatentToMemoryProjector
+    from ilcp.encoder.projector import GatedLatentToMemoryProjector
 
     hidden = smollm2_lm.hidden_size
     state = torch.random.get_rng_state()

@@ -17,8 +17,8 @@ from ilcp.evaluation import session as eval_session
 from ilcp.evaluation.methods import NoContext
 from ilcp.evaluation.registry import register_method
 from ilcp.evaluation.run import evaluate
-from ilcp.decoding import assemble_prefix
-from ilcp.prompts import question_prompt
+from ilcp.receiver.decoding import assemble_prefix
+from ilcp.receiver.prompts import question_prompt
 
 FAST = {"latency_n": 0, "lengths": (), "max_new_tokens": 4, "batch_size": 4}
 METHODS = ["default", "rclc:cacheback:r4", "eval_vllm_noisy", "eval_vllm_too_long", "eval_vllm_refused"]

@@ -2,10 +2,10 @@
 
 import torch
 
-from ilcp.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
+from ilcp.receiver.decoding import assemble_prefix, greedy_decode, greedy_decode_ids
 from ilcp.engines.vllm import VLLMReceiver, VLLMSender
-from ilcp.pooling import sender_token_states
-from ilcp.prompts import question_prompt
+from ilcp.encoder.pooling import sender_token_states
+from ilcp.receiver.prompts import question_prompt
 
 CONTEXTS = [
     "John travelled to the hallway. Mary journeyed to the bathroom.",

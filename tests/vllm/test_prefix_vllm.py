@@ -1,12 +1,12 @@
 """The vLLM receiver hands the engine the rows training computed its loss on, in every layout
-(`ilcp.prefix.receiver_prefix`): prefix and in-prompt memory, with and without format vectors."""
+(`ilcp.receiver.prefix.receiver_prefix`): prefix and in-prompt memory, with and without format vectors."""
 
 import copy
 
 import pytest
 import torch
 
-from ilcp.encoder import FormatPrompt
+from ilcp.encoder.model import FormatPrompt
 from ilcp.engines.vllm import VLLMReceiver
 from ilcp.training.handoff_stage import HandoffModule
 

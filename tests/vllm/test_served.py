@@ -28,7 +28,7 @@ from ilcp.engines.served import (
 )
 from ilcp.engines.vllm import VLLMDecoder, VLLMReceiver
 from ilcp.handoff import ILCPHandoff
-from ilcp.transport import PayloadError
+from ilcp.wire.payload import PayloadError
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300

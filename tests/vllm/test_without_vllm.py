@@ -1,5 +1,5 @@
 """Without vLLM the modules import, building an engine says how to install vLLM, every engine is
-built by `ilcp.vllm_engine.create_engine`, and engines and servers check prefixes alike."""
+built by `ilcp.engines.build.create_engine`, and engines and servers check prefixes alike."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ilcp.engines import vllm as engines
-from ilcp.vllm_engine import check_prefix
+from ilcp.engines.build import check_prefix
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_every_engine_is_built_by_the_one_factory(fake_vllm):
 
 
 def test_importing_the_factory_imports_no_vllm():
-    probe = "import sys, ilcp.vllm_engine, ilcp.engines.vllm, ilcp.rclc.vllm; print('vllm' in sys.modules)"
+    probe = "import sys, ilcp.engines.build, ilcp.engines.vllm, ilcp.rclc.vllm; print('vllm' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr

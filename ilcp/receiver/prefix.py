@@ -11,11 +11,11 @@ between training and serving. The layouts, in position order:
 where ``prompt`` is the question prompt, the cold-read prompt for a source that also reads the
 context text (cold_read_tuned), or given token ids (selection_tuned's selected rows, the
 reconstruction instruction); ``before`` / ``after`` is the cold-read prompt split at the context
-(`ilcp.prompts.memory_prompt`). Text is tokenized without special tokens (the chat template
+(`ilcp.receiver.prompts.memory_prompt`). Text is tokenized without special tokens (the chat template
 already holds them); every text segment is tokenized on its own, so a prefix's rows equal
 the embedding lookups of its segments, whoever builds it.
 
-    from ilcp.prefix import receiver_prefix
+    from ilcp.receiver.prefix import receiver_prefix
     prefix = receiver_prefix(tok, "Where is John?", source=encoder, memory=memory[0])
     prefix.embeds(model)          # (L, H), what the receiver prefills
     prefix.memory_span            # (start, end) of the memory vectors in it
@@ -101,7 +101,7 @@ def _vectors(name: str, value: Tensor, hidden: int | None = None) -> Tensor:
 
 
 def format_vectors_of(source) -> Tensor | None:
-    """A memory source's learned format vectors (F, H), or None (`ilcp.encoder.FormatPrompt`)."""
+    """A memory source's learned format vectors (F, H), or None (`ilcp.encoder.model.FormatPrompt`)."""
     fmt = getattr(source, "format_prompt", None)
     return None if fmt is None else fmt.vectors
 
@@ -119,7 +119,7 @@ def receiver_prefix(
 
     Args:
         tokenizer: the receiver LM's tokenizer.
-        question: the question (rendered with the fixed prompts of `ilcp.prompts`); may be None
+        question: the question (rendered with the fixed prompts of `ilcp.receiver.prompts`); may be None
             only with ``prompt_ids``.
         source: the memory source that made ``memory`` (an `ILCPEncoder`, a `ConstantMemory`
             or a `MemoryLayout`), whose ``placement``, ``reads_context_text`` and format vectors choose the layout;

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compat import logits_to_keep_kwargs
+from ..compat import logits_to_keep_kwargs
 
 
 def masked_mean_pool(hidden_states: Tensor, attention_mask: Tensor) -> Tensor:

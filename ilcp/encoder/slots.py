@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compat import cache_kwargs, logits_to_keep_kwargs, output_cache
+from ..compat import cache_kwargs, logits_to_keep_kwargs, output_cache
 from .compressor import BetaVAE, kl_divergence
-from .encoder import ILCPEncoder
-from .memory_kinds import MemoryKind, config_value
-from .names import MEMORY_KINDS
+from .model import ILCPEncoder
+from .kinds import MemoryKind, config_value
+from ..names import MEMORY_KINDS
 from .pooling import layer_states, pad_id_of, pad_right, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
 

@@ -113,7 +113,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checks import check_key, positive_int
+from ..checks import check_key, positive_int
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",

@@ -1,6 +1,6 @@
 """The one place a ``vllm.LLM`` is built, with the settings every ILCP engine shares.
 
-    from ilcp.vllm_engine import create_engine
+    from ilcp.engines.build import create_engine
     llm = create_engine(DIR)                 # generation: prompt embeddings on, eager, float32
     pool = create_engine(DIR, pooling=True)  # every token's last-layer state, unnormalised
 
@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 
-from .checks import positive_int
+from ..checks import positive_int
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "INSTALL_HINT", "check_prefix", "create_engine", "engine_kwargs", "require_vllm"]
 

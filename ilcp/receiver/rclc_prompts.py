@@ -1,5 +1,5 @@
 """RCLC rows framed as the evaluation's prompts: the receiver settings that reproduce the cold-read
-and question prompts of `ilcp.prompts`, and the token IDs of an in-prompt selection.
+and question prompts of `ilcp.receiver.prompts`, and the token IDs of an in-prompt selection.
 
 Shared by the evaluation's RCLC rows (`ilcp.evaluation.rclc_methods`, which explains the slot
 boundary) and by training's ``selection_tuned`` variant, which trains on exactly the prefixes an
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import rclc
-from .names import DEFAULT_SELECTOR
+from .. import rclc
+from ..names import DEFAULT_SELECTOR
 from .prompts import SYSTEM, cold_read_user_text, question_user_text, render
 
 __all__ = ["SELECTORS", "ReceiverFraming", "receiver_framing", "selection_prompt_ids"]
@@ -43,9 +43,9 @@ class ReceiverFraming:
 
 
 def receiver_framing(tokenizer) -> ReceiverFraming:
-    """The HFReceiver settings that reproduce `ilcp.prompts`' cold-read and question prompts.
+    """The HFReceiver settings that reproduce `ilcp.receiver.prompts`' cold-read and question prompts.
 
-    With a chat template, the receiver renders ``[system, user]`` as `ilcp.prompts.render` does;
+    With a chat template, the receiver renders ``[system, user]`` as `ilcp.receiver.prompts.render` does;
     without one, the templates hold the whole plain-text prompt.
     """
     user = cold_read_user_text(_CONTEXT_MARK, _REQUEST_MARK)

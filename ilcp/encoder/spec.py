@@ -6,7 +6,7 @@
     encoder = spec.build(hidden_size=576)                  # untrained, ready for the export's weights
 
 Every setting is one field whose metadata names its config.json entry (dotted, "compressor.beta")
-and its checks, so a new setting is one line here. The memory kind (`ilcp.memory_kinds`: pooled,
+and its checks, so a new setting is one line here. The memory kind (`ilcp.encoder.kinds`: pooled,
 chunked or codec) owns its own entries of the ``pooling`` object. `EncoderSpec.VERSION` is the
 export's ``format_version``: a new optional setting with a default keeps it (older exports read
 the default); a setting whose meaning changes raises it.
@@ -22,11 +22,11 @@ from typing import ClassVar
 import torch
 
 from .compressor import BetaVAE
-from .encoder import FormatPrompt, ILCPEncoder
-from .memory_kinds import MemoryKind, config_value, memory_kind_for, memory_kind_of
-from .names import SNAP_METRICS, VOCABULARY_SNAPS
+from .model import FormatPrompt, ILCPEncoder
+from .kinds import MemoryKind, config_value, memory_kind_for, memory_kind_of
+from ..names import SNAP_METRICS, VOCABULARY_SNAPS
 from .projector import GatedLatentToMemoryProjector
-from .prompts import MEMORY_PLACEMENTS
+from ..receiver.prompts import MEMORY_PLACEMENTS
 
 __all__ = ["EncoderSpec", "ExportError", "NORMALISATION"]
 
@@ -71,7 +71,7 @@ class EncoderSpec:
     projector_hidden: int = setting("projector.hidden", minimum=1)  # the projector's trunk width
     layers: tuple[int, ...] = setting("pooling.layers")  # hidden-state layers read, concatenated
     max_length: int = setting("pooling.max_length", minimum=1)  # context tokens the sender reads
-    memory: MemoryKind = setting("pooling")  # the memory kind and its own settings (`ilcp.memory_kinds`)
+    memory: MemoryKind = setting("pooling")  # the memory kind and its own settings (`ilcp.encoder.kinds`)
     memory_placement: str = setting("memory_placement", "prefix", choices=MEMORY_PLACEMENTS, omit_default=True)
     format_vectors: int = setting("format_vectors", 0, minimum=0, omit_default=True)
     vocabulary_snap: str = setting("vocabulary_snap.mode", "none", choices=VOCABULARY_SNAPS, omit_default=True)

@@ -31,10 +31,10 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
-from .names import SNAP_METRICS, VOCABULARY_SNAPS
+from ..names import SNAP_METRICS, VOCABULARY_SNAPS
 from .pooling import ConcatPooler, Pooler, pool_states, pool_units, split_chunks
 from .projector import GatedLatentToMemoryProjector
-from .prompts import MEMORY_PLACEMENTS
+from ..receiver.prompts import MEMORY_PLACEMENTS
 
 
 class ILCPEncoder(nn.Module):
@@ -152,7 +152,7 @@ class ILCPEncoder(nn.Module):
 
     @property
     def placement(self) -> str:
-        """Where the receiver reads the memory: "prefix" or "in_prompt" (`ilcp.prompts.memory_prompt`)."""
+        """Where the receiver reads the memory: "prefix" or "in_prompt" (`ilcp.receiver.prompts.memory_prompt`)."""
         return self._placement
 
     @placement.setter

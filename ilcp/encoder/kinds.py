@@ -2,7 +2,7 @@
 
 Each kind is one frozen settings dataclass registered once under its name. The kind owns its
 entries of config.json's ``pooling`` object (reading, checking, writing them) and builds its
-pooler; the export schema (`ilcp.encoder_config.EncoderSpec`) finds a config's kind here.
+pooler; the export schema (`ilcp.encoder.spec.EncoderSpec`) finds a config's kind here.
 
 - ``pooled``: one latent per context, the masked mean of its token states (``pooling.kind``
   "mean") or the learned queries of an `AttentionPooler` ("attention", ``pooling.pool_queries``,
@@ -11,7 +11,7 @@ pooler; the export schema (`ilcp.encoder_config.EncoderSpec`) finds a config's k
   chunk pooled as above: a context of S tokens sends ceil(S / C) latents.
 - ``codec``: chunks of C tokens whose states the VAE reads side by side (``pooling.kind``
   "concat", `ConcatPooler`); with K = C memory vectors per latent, read in the prompt as tokens.
-- ``slots`` (`ilcp.memory_slots`): learned tokens the sender's LM reads after the context, one
+- ``slots`` (`ilcp.encoder.slots`): learned tokens the sender's LM reads after the context, one
   latent per slot, their number growing with the context.
 
 The kinds are registered in `ilcp.names.MEMORY_KINDS` (which also names the ``pooling.kind``
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .compressor import BetaVAE
-from .encoder import ILCPEncoder
-from .names import MEMORY_KINDS, resolve
+from .model import ILCPEncoder
+from ..names import MEMORY_KINDS, resolve
 from .pooling import AttentionPooler, ConcatPooler, Pooler
 from .projector import GatedLatentToMemoryProjector
 

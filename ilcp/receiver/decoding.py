@@ -2,13 +2,13 @@
 
 A receiver's prefix is a sequence of parts in embedding space: soft-prompt vectors (ILCP memory,
 tuned constant vectors), received rows (RCLC) and rendered prompt text; which parts stand in
-which order is decided in one place, `ilcp.prefix.receiver_prefix`. `assemble_prefix` turns
+which order is decided in one place, `ilcp.receiver.prefix.receiver_prefix`. `assemble_prefix` turns
 free-form parts into one (L, H) tensor; `greedy_decode` decodes many prefixes in left-padded
 batches: one wide prefill over ``inputs_embeds`` with an attention mask and explicit position ids, then
 single-token steps that reuse the key/value cache. Position ids count from 0 at each row's
 first real position, so a row decodes the same tokens whatever it is batched with.
 
-    from ilcp.decoding import assemble_prefix, greedy_decode
+    from ilcp.receiver.decoding import assemble_prefix, greedy_decode
     prefix = assemble_prefix(model, tok, [memory[0], question_prompt(tok, "Where is John?")])
     greedy_decode(model, tok, [prefix], max_new_tokens=8)   # -> ["hallway"]
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .datadir import data_root
+from ..datadir import data_root
 
 # Bump when babilong_context, the sentence splitter or the filters would give other text.
 GENERATOR_VERSION = 1
