@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ilcp.handoff import ILCPHandoff
-from ilcp.wire.payload import PayloadError, TransportPayload, open_sealed, pack, seal
+from ilcp.wire.payload import PayloadError, TransportPayload, pack
+from ilcp.wire.seal import open_sealed, seal
 
 KEY = b"k" * 32
 FP = "0123456789abcdef"
@@ -91,7 +92,7 @@ def test_handoffs_with_a_shared_key(tiny_run, tiny_lm):
 
 
 def test_replay_guard_refuses_replays_old_future_and_nonce_less_envelopes_with_bounded_memory():
-    from ilcp.wire.payload import ReplayGuard, open_envelope
+    from ilcp.wire.seal import ReplayGuard, open_envelope
 
     now = [1_000_000.0]
     guard = ReplayGuard(max_age=60, max_nonces=3, max_skew=5, clock=lambda: now[0])

@@ -31,7 +31,8 @@ from ilcp.handoff import ILCPHandoff
 from ilcp.lm import build_tiny_qwen3
 from ilcp.rclc import SnapshotError
 from ilcp.rclc.snapshot import content_digest, write_snapshot
-from ilcp.wire.payload import SEAL_MAGIC, PayloadError, pack, seal
+from ilcp.wire.payload import PayloadError, pack
+from ilcp.wire.seal import SEAL_MAGIC, seal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"

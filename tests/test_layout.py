@@ -99,3 +99,13 @@ def test_no_branch_on_a_variant_s_name():
 def test_the_readme_is_300_lines_or_fewer():
     lines = len((REPO / "README.md").read_text().splitlines())
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines: move details into docs/ and link them"
+
+
+def test_every_variant_the_config_names_is_described_once():
+    from ilcp.config import VARIANTS as NAMES
+    from ilcp.training.handoff_stage import VARIANTS, variant_of
+
+    assert tuple(VARIANTS) == NAMES
+    assert [v.name for v in VARIANTS.values() if v.reads_encoder] == ["ilcp"]
+    with pytest.raises(ValueError, match="unknown variant 'bogus'"):
+        variant_of("bogus")

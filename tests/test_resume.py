@@ -12,7 +12,7 @@ from ilcp import training
 from ilcp.config import load_config
 from ilcp.export import read_export
 from ilcp.training import train
-from ilcp.training.handoff_stage import _best_checkpoint
+from ilcp.training.handoff_stage import best_checkpoint
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -72,9 +72,9 @@ def test_the_best_checkpoint_is_looked_up_in_this_stage_folder(tmp_path):
     (stage / "checkpoints").mkdir(parents=True)
     (stage / "checkpoints" / "best-step=4.ckpt").write_bytes(b"")
     old = "/somewhere/else/stages/ilcp/checkpoints/best-step=4.ckpt"
-    assert _best_checkpoint(old, stage) == stage / "checkpoints" / "best-step=4.ckpt"
-    assert _best_checkpoint("", stage) is None
-    assert _best_checkpoint("/x/best-step=9.ckpt", stage) is None
+    assert best_checkpoint(old, stage) == stage / "checkpoints" / "best-step=4.ckpt"
+    assert best_checkpoint("", stage) is None
+    assert best_checkpoint("/x/best-step=9.ckpt", stage) is None
 
 
 def test_a_setting_added_after_the_run_started_resumes_at_its_default(tmp_path, tiny_lm):

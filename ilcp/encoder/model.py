@@ -117,6 +117,10 @@ class ILCPEncoder(nn.Module):
         """The most latents a context of `max_length` tokens sends: ceil(max_length / C), or 1."""
         return -(-max_length // self.chunk_tokens) if self.chunked else 1
 
+    def latent_unit(self) -> str:
+        """What one latent of a context stands for, in words (for refusals)."""
+        return f"one per chunk of {self.chunk_tokens} tokens" if self.chunked else "one per context"
+
     def pool(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Sender states -> pooled (B, D') float32, one per context (see `pool_states`)."""
         return pool_states(self.pooler, states, attention_mask)

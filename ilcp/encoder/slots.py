@@ -222,6 +222,9 @@ class SlotEncoder(ILCPEncoder):
     def chunked(self) -> bool:
         return True  # one latent per slot
 
+    def latent_unit(self) -> str:
+        return f"one per memory slot, a slot per {self.slots.tokens_per_slot} tokens"
+
     def max_latents(self, max_length: int) -> int:
         return int(self.slots.counts(torch.tensor([max_length])))
 

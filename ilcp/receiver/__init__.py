@@ -1,1 +1,7 @@
-"""receiver"""
+"""The receiver's side: what reads the memory.
+
+- `ilcp.receiver.receive`: `Receiver`, bytes -> one checked latent -> memory vectors -> answer;
+- `ilcp.receiver.prefix`: the one builder of the receiver's input (memory, prompt, placement);
+- `ilcp.receiver.prompts`, `ilcp.receiver.rclc_prompts`: the prompt templates;
+- `ilcp.receiver.decoding`: batched greedy decoding with a cache.
+"""

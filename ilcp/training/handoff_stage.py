@@ -18,6 +18,7 @@ import json
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -53,13 +54,47 @@ def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEn
     return encoder
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What a stage-2 variant is, as the training recipe needs it.
+
+    Attributes:
+        name: its name in ``handoff.variants`` and in eval's methods.
+        reads_encoder: its memory is the run's encoder (latents projected to K vectors); else K
+            trained constant vectors.
+        reads_context_text: the receiver reads the context's text beside the memory.
+        reads_selected_rows: the receiver reads the sender's selected rows (`selected_prompts`).
+    """
+
+    name: str
+    reads_encoder: bool = False
+    reads_context_text: bool = False
+    reads_selected_rows: bool = False
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("ilcp", reads_encoder=True),
+    Variant("prompt_tuned"),
+    Variant("cold_read_tuned", reads_context_text=True),
+    Variant("selection_tuned", reads_context_text=True, reads_selected_rows=True),
+)}
+
+
+def variant_of(name: str) -> Variant:
+    """The variant named `name`; ValueError for an unknown one."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}")
+    return VARIANTS[name]
+
+
 def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None,
                        trained: dict[str, MemorySource] | None = None) -> MemorySource:
     """The memory source a variant starts from; for ilcp, the encoder of the earlier stages, with
     a new projector unless the reconstruction stage trained one, frozen unless fine-tuned, and
     with ``handoff.format_from`` the named variant's vectors, taken from `trained` (the variants
     trained so far)."""
-    if variant == "ilcp":
+    kind = variant_of(variant)
+    if kind.reads_encoder:
         if encoder is None:
             raise ValueError("the ilcp variant needs the stage-1 encoder")
         if encoder.projector is None:
@@ -74,10 +109,8 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
             rows = ConstantMemory.from_embedding_rows(lm.model, cfg.format_vectors, reads_context_text=False)
             encoder.format_prompt = FormatPrompt(rows.soft_prompt)
         return encoder
-    if variant in ("prompt_tuned", "cold_read_tuned", "selection_tuned"):
-        return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
-                                                  reads_context_text=variant != "prompt_tuned")
-    raise ValueError(f"unknown variant {variant!r}")
+    return ConstantMemory.from_embedding_rows(lm.model, cfg.num_memory_tokens,
+                                              reads_context_text=kind.reads_context_text)
 
 
 def format_vectors_from(name: str, lm: LM, trained: dict[str, MemorySource] | None = None) -> Tensor:
@@ -316,13 +349,14 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         export.load_trained_state(source, load_file(str(done)), origin=str(done))
         say(f"stage 2 ({variant}): finished earlier, loaded")
         return source, json.loads((stage_dir / "metrics.json").read_text())
-    selected = selected_prompts(cfg.handoff, lm, data) if variant == "selection_tuned" else None
+    kind = variant_of(variant)
+    selected = selected_prompts(cfg.handoff, lm, data) if kind.reads_selected_rows else None
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
                            teacher=teacher)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
-    frozen = "the LM and the encoder parts this loss does not reach" if variant == "ilcp" else "the LM"
+    frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
         f"{h.max_steps} steps of batch {h.batch_size}")
     steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
@@ -392,7 +426,7 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
         trainer.validate(module, datamodule=data, verbose=False)  # the final state is always measured
     seconds = time.perf_counter() - t0
     curve = broadcast(read_curve(cfg, name) if is_main() else None)  # rank 0 writes the log
-    best_path = _best_checkpoint(ckpt.best_model_path, stage_dir)
+    best_path = best_checkpoint(ckpt.best_model_path, stage_dir)
     if best_path is not None:
         module.load_state_dict(checkpoint_state(best_path), strict=False)
     sign = 1.0 if mode == "max" else -1.0
@@ -403,7 +437,7 @@ def fit_stage(cfg: TrainConfig, name: str, module: L.LightningModule, data: L.Li
     return int(trainer.global_step), seconds, curve, best
 
 
-def _best_checkpoint(recorded: str, stage_dir: Path) -> Path | None:
+def best_checkpoint(recorded: str, stage_dir: Path) -> Path | None:
     """The best checkpoint of this stage: the callback's, looked up by name in this stage's
     folder (a run directory moved since its checkpoints were written keeps the old paths)."""
     if not recorded:
