@@ -28,7 +28,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ilcp.tasks.babilong_context import is_babilong_name, parse_babilong_name, story_sentences
+from ilcp.names import is_babilong_name, parse_babilong_name
+from ilcp.tasks.babilong_context import story_sentences
 from ilcp.io import atomic_write_json
 from ilcp.metrics import first_line, normalize_answer
 from ilcp.tasks import load_babi

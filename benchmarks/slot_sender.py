@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ilcp.tasks.babilong_context import background_sentences
+from ilcp.tasks.background import background_sentences
 from ilcp.compat import output_cache
 from ilcp.io import atomic_write_json
 from ilcp.lm import DEFAULT_LM, load_lm

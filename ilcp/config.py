@@ -87,7 +87,7 @@ class DataConfig:
         if problem is not None:
             raise ValueError(f"data.task: {problem}")
         if self.task.startswith("babilong"):
-            from .tasks.babilong_context import parse_babilong_name  # the standard library only
+            from .names import parse_babilong_name  # the standard library only
 
             try:
                 parse_babilong_name(self.task)

@@ -7,13 +7,14 @@ builds its own list (`ilcp.wire.payload`'s dtypes), tests/test_cli_startup.py ch
 Each kind of name with an implementation behind it has one registry here, the only list of its
 names: RCLC selectors (`SELECTORS`), evaluation methods, families and groups (`METHODS`,
 `METHOD_FAMILIES`, `METHOD_GROUPS`) and memory kinds (`MEMORY_KINDS`); task names have
-`TASK_NAMES`. An entry names its implementation as ``"module:attribute"``, imported only when the
-name is used (`resolve`), so the command lines' help, the config checks and the torch-side
-registries all derive from the same table: a new selector, method or memory kind is its module
-and one entry. tests/test_name_registries.py fails when a list of a kind's names is spelled
+`TASK_NAMES`, and a BABILong task's name is parsed here (`parse_babilong_name`). An entry names
+its implementation as ``"module:attribute"``, imported only when the name is used (`resolve`), so
+the command lines' help, the config checks and the torch-side registries all derive from the same
+table: a new selector, method or memory kind is its module and one entry. tests/test_name_registries.py fails when a list of a kind's names is spelled
 anywhere else under ilcp/.
 """
 
+import re
 from difflib import get_close_matches
 from typing import NamedTuple
 
@@ -165,6 +166,91 @@ def unknown_task(name) -> str | None:
         return None
     forms = "; ".join(forms for _, forms in TASK_NAMES.values())
     return f"unknown task {name!r}; available: {forms}"
+
+
+# BABILong task names (ilcp.tasks.babilong): ``babilong:<task>:<length>``, parsed here so configs and
+# command lines check them before the task code loads
+TOKENS_PER_K = 1024
+NAMED_LENGTHS = ("0", "0.5k", "1k", "2k", "4k")
+_NAME = re.compile(r"babilong[:_-]((?:qa)?\d+(?:\+(?:qa)?\d+)*)(?:[:_-](.*))?\Z", re.IGNORECASE | re.DOTALL)
+_LENGTH = re.compile(r"(\d+(?:\.\d+)?)(k?)\Z", re.IGNORECASE)
+
+
+class BabilongTask(NamedTuple):
+    """A parsed task name: bAbI task ``number``, ``length`` in tokens, canonical ``name``
+    (``"babilong-qa1-2k"``, also the rows' ``task`` column). A mix (``"babilong:1+8:0.5k"``,
+    canonical ``"babilong-qa1+qa8-0.5k"``) lists its tasks in ``numbers``, sorted, ``number``
+    being the first; a single task's ``numbers`` is ``(number,)``."""
+
+    number: int
+    length: int
+    name: str
+    numbers: tuple[int, ...] = ()
+
+    @property
+    def parts(self) -> list[str]:
+        """The single-task names of a mix (``["babilong:1:0.5k", "babilong:8:0.5k"]``), or this task's."""
+        return [f"babilong:{n}:{length_label(self.length)}" for n in (self.numbers or (self.number,))]
+
+
+def is_babilong_name(name) -> bool:
+    """Whether ``name`` is meant as a BABILong task ("babilong:..."), well-formed or not."""
+    return isinstance(name, str) and name.strip().lower().startswith("babilong")
+
+
+def parse_length(text: str | int) -> int:
+    """Tokens of a length: ``"0"``, ``"0.5k"``, ``"1k"``, ``"2k"``, ``"4k"`` (k = 1024), any
+    ``"<x>k"`` that is a whole number of tokens, a plain number (``"1500"``) or an int >= 0."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        tokens = text
+    else:
+        match = _LENGTH.match(str(text).strip())
+        if match is None:
+            raise ValueError(f"unknown length {text!r}: use {', '.join(NAMED_LENGTHS)} "
+                             "(k = 1024 tokens) or a number of tokens such as 1500")
+        value = float(match.group(1)) * (TOKENS_PER_K if match.group(2) else 1)
+        if value != int(value):
+            raise ValueError(f"length {text!r} is not a whole number of tokens (k = 1024)")
+        tokens = int(value)
+    if tokens < 0:
+        raise ValueError(f"a length must be >= 0 tokens, got {text!r}")
+    return tokens
+
+
+def length_label(tokens: int) -> str:
+    """``"0"``, ``"0.5k"``, ``"1k"``, ``"1.5k"``... for multiples of 512 tokens, else the number."""
+    if tokens > 0 and tokens % (TOKENS_PER_K // 2) == 0:
+        return f"{tokens / TOKENS_PER_K:g}k"
+    return str(tokens)
+
+
+def parse_babilong_name(name: str) -> BabilongTask:
+    """``"babilong:<task>:<length>"`` (also ``babilong:qa1:2k``, or a mix ``babilong:1+8:0.5k``)
+    as a `BabilongTask`; ValueError naming what is wrong. Does not look for the bAbI file
+    (`ilcp.tasks.load_babilong` does)."""
+    if not isinstance(name, str):
+        raise ValueError(f"a BABILong task name is a string, got {name!r}")
+    match = _NAME.match(name.strip())
+    if match is None:
+        raise ValueError(f"unknown BABILong task {name!r}: use 'babilong:<task>:<length>', e.g. "
+                         f"'babilong:1:2k' (lengths: {', '.join(NAMED_LENGTHS)} or a number of tokens)")
+    numbers = [int(part.lower().removeprefix("qa")) for part in match.group(1).split("+")]
+    length, tasks = match.group(2), match.group(1)
+    if min(numbers) < 1:
+        raise ValueError(f"BABILong task {name!r}: the bAbI task number must be >= 1")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"BABILong task {name!r}: a bAbI task is listed twice")
+    if not length:
+        raise ValueError(f"BABILong task {name!r} needs a length: 'babilong:{tasks}:<length>', e.g. "
+                         f"'babilong:{tasks}:2k' (lengths: {', '.join(NAMED_LENGTHS)} or a number of "
+                         "tokens)")
+    try:
+        tokens = parse_length(length)
+    except ValueError as e:
+        raise ValueError(f"BABILong task {name!r}: {e}") from None
+    numbers = sorted(numbers)
+    canonical = "babilong-" + "+".join(f"qa{n}" for n in numbers) + f"-{length_label(tokens)}"
+    return BabilongTask(numbers[0], tokens, canonical, tuple(numbers))
 
 
 # ilcp-eval's defaults (ilcp.evaluation.run, ilcp.evaluation.decoders, ilcp.wire.payload)

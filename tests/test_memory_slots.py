@@ -187,7 +187,7 @@ def test_eval_reads_a_slot_run_and_times_the_reused_sender(slot_run, tiny_lm):
 
 
 def test_prose_passages_stay_within_a_book_and_near_their_length(tiny_lm):
-    from ilcp.tasks.babilong_context import background_sentences
+    from ilcp.tasks.background import background_sentences
     from ilcp.training.reconstruction_stage import prose_passages
 
     passages = prose_passages(tiny_lm.tokenizer, "validation", 64)

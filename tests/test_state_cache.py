@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ilcp.training.data import HandoffRows, collate_rows
-from ilcp.training.extraction import cache_dtype, cached_pooled_states, cached_token_states, token_states
+from ilcp.training.extraction import cached_pooled_states, cached_token_states, token_states
+from ilcp.training.state_cache import cache_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 TEXTS = [f"John went to room {i}. " * (1 + i % 4) + "Mary took the apple." for i in range(10)]

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from ilcp import tasks
+from ilcp.tasks import fact_vocabulary
 from ilcp.tasks import (
     ALL_ENTITIES,
     FACT_ATTRIBUTES,
@@ -352,7 +353,7 @@ def test_value_vocabularies_are_large_disjoint_and_partitioned():
     assert all(re.fullmatch(r"[A-Za-z0-9]+", v) for v in lowered)
     assert not set(lowered) & {e.lower() for e in ALL_ENTITIES}
     template_words = {w.lower() for w in _words(
-        [*tasks._FILLERS, *tasks._WEATHER,
+        [*fact_vocabulary.FILLERS, *fact_vocabulary.WEATHER,
          *(spec.statement + " " + spec.question for spec in FACT_ATTRIBUTES.values())])}
     assert not set(lowered) & template_words
     for name, values in vocabularies.items():

@@ -168,7 +168,7 @@ def length_curves(results: dict) -> dict[int, dict[str, list[tuple[float, str, d
     """The BABILong tasks of a result grouped for the length plots: bAbI task number -> method ->
     [(mean context tokens, task name, the method's metrics)], shortest context first. Only bAbI
     tasks evaluated at two or more lengths."""
-    from ..tasks.babilong_context import is_babilong_name, parse_babilong_name
+    from ..names import is_babilong_name, parse_babilong_name
 
     by_task: dict[int, list[tuple[str, dict]]] = {}
     for name, t in results.get("tasks", {}).items():

@@ -5,8 +5,10 @@ answer, the target first).
 Every task name resolves through one registry (`resolve_task`), one module per source:
 
 - `ilcp.tasks.babi`: bAbI files (``babi:N``, a balanced mix ``babi:1+2+3``, ``babi:all``);
-- `ilcp.tasks.facts`: the procedural facts generator (``facts``, eval's ``facts-heldout``);
-- `ilcp.tasks.babilong`: bAbI stories in long prose (``babilong:N:LENGTH``);
+- `ilcp.tasks.facts`: the procedural facts generator (``facts``, eval's ``facts-heldout``), its
+  words in `ilcp.tasks.fact_vocabulary`;
+- `ilcp.tasks.babilong`: bAbI stories in long prose (``babilong:N:LENGTH``), the contexts built by
+  `ilcp.tasks.babilong_context` from the prose of `ilcp.tasks.background`;
 - `ilcp.tasks.files`: a user's own files (``jsonl:PATH``, ``csv:PATH``, ``parquet:PATH``,
   ``disk:PATH``), read by `datasets`;
 - `ilcp.tasks.squad`: the shipped SQuAD v1.1 subset (``squad``);
@@ -29,18 +31,14 @@ from .registry import EvalTaskContext, EvalRows, Task, load_task, register_task,
 # Each source registers itself on import, in this order.
 from .babi import (BABI_DIR_ENV, BabiTask, available_tasks, babi_data_dir, babi_file, babi_stories,  # noqa: E402
                    babi_task_numbers, default_babi_dir, load_babi, load_babi_mix, parse_babi_file)
-from .facts import (ALL_ENTITIES, BASE_ENTITIES, FACT_ATTRIBUTE_VOCABULARY, FACT_ATTRIBUTES,  # noqa: E402
-                    FACT_VOCABULARIES, FACTS_TEST_SIZE, FACTS_VALUE_SPLIT_VERSION, FACTS_VERSION, HELDOUT_FRACTION,
-                    VALUE_SPLITS, FactAttribute, FactsTask, count_tokens, fact_values, facts_contexts,
-                    facts_for_length, make_facts)
+from .fact_vocabulary import (ALL_ENTITIES, BASE_ENTITIES, FACT_ATTRIBUTE_VOCABULARY, FACT_ATTRIBUTES,  # noqa: E402
+                              FACT_VOCABULARIES, HELDOUT_FRACTION, VALUE_SPLITS, FactAttribute, fact_values)
+from .facts import (FACTS_TEST_SIZE, FACTS_VALUE_SPLIT_VERSION, FACTS_VERSION, FactsTask, count_tokens,  # noqa: E402
+                    facts_contexts, facts_for_length, make_facts)
 from .babilong import BabilongTaskEntry, babilong_config_key, babilong_stories, load_babilong  # noqa: E402
 from .squad import SquadTask, squad_dir  # noqa: E402
 from .files import FileTask, file_config_key, load_files  # noqa: E402
 from .mix import MixTask, held_out  # noqa: E402
-from . import facts as _facts  # noqa: E402
-
-# Module-level names the facts tests read.
-_FILLERS, _WEATHER = _facts._FILLERS, _facts._WEATHER
 
 __all__ = [
     "ALL_ENTITIES", "BABI_DIR_ENV", "BASE_ENTITIES", "EvalTaskContext", "EvalRows", "FACTS_TEST_SIZE",

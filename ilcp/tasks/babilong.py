@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 
-from .babilong_context import (GENERATOR_VERSION, BabilongTask, background_key, babilong_context, length_label,
-                        parse_babilong_name, story_sentences, tokenizer_key)
+from ..names import BabilongTask, length_label, parse_babilong_name
+from .babilong_context import GENERATOR_VERSION, babilong_context, story_sentences, tokenizer_key
+from .background import background_key
 from .babi import babi_file, check_test_files, load_babi
 from .base import check_limit, check_split, interleave, source_key, to_dataset
 from .registry import EvalTaskContext, EvalRows, Task, register_task

@@ -25,7 +25,8 @@ from ..encoder.pooling import AttentionPooler, TokenStates, context_lengths, pad
 from ..tasks.babilong_context import story_token_mask
 from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
-from .extraction import cache_dtype, cached_pooled_states, cached_token_states
+from .extraction import cached_pooled_states, cached_token_states
+from .state_cache import cache_dtype
 from .log import run_precision, say
 
 

@@ -17,17 +17,15 @@ bfloat16), and a second call reads it back without a forward pass. `token_states
 `cached_token_states` do the same for the unpooled states of every real token (what an
 `AttentionPooler` trains on), stored flat as `TokenStates`.
 
-A cache file is never loaded whole: its tensors are memory maps (`read_cache`), so training
-batches read their rows from the file, the page cache holds what was read once for every process
-of a run, and a process's own memory does not grow with the rows. A file is written to a folder
-of its own next to the cache and renamed into place when complete, so a kill leaves no file a
-later run reads; one that does not match what is asked (another key, other rows, dtype, sizes,
-truncated) is refused with one line saying why, and computed again.
+The cache file, its key and its reader are `ilcp.training.state_cache`: its tensors are memory
+maps (`read_cache`), never loaded whole, so training batches read their rows from the file. A file
+is written to a folder of its own next to the cache and renamed into place when complete, so a
+kill leaves no file a later run reads; one that does not match what is asked (another key, other
+rows, dtype, sizes, truncated) is refused with one line saying why, and computed again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -43,28 +41,13 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..lm import LM, default_cache_dir
+from ..lm import LM
 from ..encoder.pooling import (TOKENIZE_CHUNK, TokenStates, length_batches, masked_mean_pool, pad_id_of, pad_right,
                        sender_token_states, tokenize_contexts)
 from ..progress import Ticker, bars, lines
 from .log import say
-
-CACHE_FORMAT = 2  # 2: the stored dtype is part of the key; the file is written by streaming
-CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# safetensors' names of the dtypes a cache holds, and the numpy dtype each is mapped as
-_STORED = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
-_MAPPED = {"F32": (np.float32, None), "BF16": (np.int16, torch.bfloat16), "I64": (np.int64, None)}
-
-
-def cache_dtype(setting: str, precision: str, lm_dtype: str = "float32") -> str:
-    """The dtype sender states are stored in: ``setting`` (`data.cache_dtype`), whose ``auto`` is
-    bfloat16 when the run computes in bfloat16 (``bf16-mixed``, or an LM whose weights are
-    bfloat16) and float32 otherwise."""
-    if setting == "auto":
-        return "bfloat16" if precision == "bf16-mixed" or lm_dtype == "bfloat16" else "float32"
-    if setting not in CACHE_DTYPES:
-        raise ValueError(f"the sender-state cache dtype must be auto, {' or '.join(CACHE_DTYPES)}, got {setting!r}")
-    return setting
+from .state_cache import (CACHE_DTYPES, CacheMismatch, cache_dtype, cache_path, clear_dead_writers, pooled_cache_key,
+                          read_cache, states_in_cache, write_safetensors)
 
 
 def token_ids(tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,107 +171,6 @@ class _ShardWriter(BasePredictionWriter):
         maps.clear()  # the shards can be removed now
 
 
-def write_safetensors(path: Path, layout: list[tuple[str, torch.dtype, list[int]]], fill,
-                      metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file written by streaming: the header from ``layout`` ((name, dtype, shape)
-    in file order), then ``fill(file, name)`` writes each tensor's bytes in turn; checked against
-    the layout, flushed to disk."""
-    header, begin, sizes = {}, 0, []
-    for name, dtype, shape in layout:
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _STORED[dtype], "shape": list(shape), "data_offsets": [begin, begin + size]}
-        sizes.append(size)
-        begin += size
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for (name, _, _), size in zip(layout, sizes):
-            at = f.tell()
-            fill(f, name)
-            if f.tell() - at != size:
-                raise RuntimeError(f"{name}: wrote {f.tell() - at} bytes where the header says {size}")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-class CacheMismatch(ValueError):
-    """A cache file that is not what was asked for (one line saying why)."""
-
-
-def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]]],
-               metadata: dict[str, str] | None = None) -> dict[str, Tensor]:
-    """The tensors of a safetensors cache file as read-only memory maps (copy-on-write: pages are
-    read from the file when touched, never the whole file at once).
-
-    Args:
-        expect: for each tensor, its dtype and shape (None for a size not known ahead).
-        metadata: entries the file's metadata must hold.
-    Raises:
-        CacheMismatch: the file is truncated or too long, not safetensors, or its tensors, dtypes,
-            shapes or metadata differ from what is expected.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        first = f.read(8)
-        if len(first) < 8:
-            raise CacheMismatch(f"truncated: {size} bytes")
-        n = int.from_bytes(first, "little")
-        if 8 + n > size:
-            raise CacheMismatch(f"truncated: {size} bytes, its header alone says {8 + n}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CacheMismatch("not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise CacheMismatch("not a safetensors file")
-    found = header.pop("__metadata__", None) or {}
-    for name, value in (metadata or {}).items():
-        if found.get(name) != value:
-            what = {"key": "states of other settings (another run's or another LM's)", "row_ids": "other rows",
-                    "dtype": f"{found.get('dtype')} states where {value} ones are asked"}.get(name, f"another {name}")
-            raise CacheMismatch(f"it holds {what}")
-    if set(header) != set(expect):
-        raise CacheMismatch(f"it holds tensors {sorted(header)}, not {sorted(expect)}")
-    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-    if 8 + n + end != size:
-        raise CacheMismatch(f"{'truncated' if 8 + n + end > size else 'too long'}: {size} bytes where its header "
-                            f"says {8 + n + end}")
-    out = {}
-    for name, (dtype, shape) in expect.items():
-        t = header[name]
-        begin, stop = (int(x) for x in t["data_offsets"])
-        if t.get("dtype") != _STORED[dtype]:
-            raise CacheMismatch(f"{name} is {t.get('dtype')}, not {_STORED[dtype]}")
-        got = [int(x) for x in t["shape"]]
-        if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
-            raise CacheMismatch(f"{name} has shape {got} where {['*' if w is None else w for w in shape]} is asked")
-        numpy_dtype, view = _MAPPED[_STORED[dtype]]
-        if stop - begin != int(np.prod(got, dtype=np.int64)) * np.dtype(numpy_dtype).itemsize:
-            raise CacheMismatch(f"{name}'s bytes do not match its shape")
-        if stop == begin:
-            tensor = torch.zeros(got, dtype=dtype)
-        else:
-            mapped = np.memmap(path, dtype=numpy_dtype, mode="c", offset=8 + n + begin, shape=tuple(got))
-            tensor = torch.from_numpy(mapped)
-            tensor = tensor.view(view) if view is not None else tensor
-        out[name] = tensor
-    return out
-
-
-def _cache_states(found: dict[str, Tensor], tokens: bool, n: int):
-    """The states a cache file's tensors hold, checked whole where that is cheap."""
-    if not tokens:
-        return found["pooled"]
-    offsets = found["offsets"]
-    if int(offsets[0]) != 0 or int(offsets[-1]) != found["states"].shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
-        raise CacheMismatch(f"its offsets do not rise from 0 to its {found['states'].shape[0]} token states")
-    return TokenStates(found["states"], offsets)
-
-
 class _Batches(Sampler):
     """Fixed batches of row indices, as a batch sampler."""
 
@@ -398,43 +280,7 @@ def token_states(
 
 
 # --------------------------------------------------------------------------------------------
-# on-disk cache
-
-
-def pooled_cache_key(fingerprint: str, task_key: dict, max_length: int, layers: Sequence[int],
-                     kind: str = "mean", precision: str = "32-true", dtype: str = "float32") -> dict:
-    """Everything that decides the cached states, as a JSON-serialisable dict: the stored dtype
-    always, the compute precision when it is not float32."""
-    key = {"lm": fingerprint, "task": task_key, "max_length": int(max_length),
-           "layers": [int(i) for i in layers], "pool": kind, "dtype": dtype, "format": CACHE_FORMAT}
-    if precision != "32-true":
-        key["precision"] = precision
-    return key
-
-
-def cache_path(key: dict, cache_dir=None) -> Path:
-    """Where the states of ``key`` are cached: ``CACHE/pooled/DIGEST.safetensors``."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / "pooled" / f"{digest}.safetensors"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def _clear_dead_writers(path: Path) -> None:
-    """The folders that killed extractions of ``path`` left (``.NAME.PID.partial``)."""
-    for folder in path.parent.glob(f".{path.name}.*.partial"):
-        pid = folder.name[len(path.name) + 2:-len(".partial")]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+# through the on-disk cache
 
 
 def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: dict, *, tokens: bool,
@@ -454,11 +300,11 @@ def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: d
         try:
             if not path.is_file():
                 raise CacheMismatch("it is not a regular file")
-            return _cache_states(read_cache(path, expect, metadata), tokens, n), path, True
+            return states_in_cache(read_cache(path, expect, metadata), tokens, n), path, True
         except (CacheMismatch, OSError) as e:
             say(f"sender-state cache {path} refused ({e}): computing it again")
     path.parent.mkdir(parents=True, exist_ok=True)
-    _clear_dead_writers(path)
+    clear_dead_writers(path)
     work = path.parent / f".{path.name}.{os.getpid()}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -472,7 +318,7 @@ def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: d
         os.replace(out, path)  # complete, so only now under its name
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _cache_states(read_cache(path, expect, metadata), tokens, n), path, False
+    return states_in_cache(read_cache(path, expect, metadata), tokens, n), path, False
 
 
 def cached_pooled_states(

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from .. import export
 from ..receiver import prompts
-from ..tasks.babilong_context import background_sentences, is_babilong_name, parse_babilong_name
+from ..names import is_babilong_name, parse_babilong_name
+from ..tasks.background import background_sentences
 from ..tasks import resolve_task
 from ..receiver.prefix import receiver_prefix
 from ..config import TrainConfig

@@ -90,7 +90,7 @@ def _ms(latency: dict | None, key: str, stat: str) -> str:
 
 def _task_order(name: str) -> tuple:
     """BABILong tasks by bAbI task, then length; other names after them, by name."""
-    from ilcp.tasks.babilong_context import is_babilong_name, parse_babilong_name
+    from ilcp.names import is_babilong_name, parse_babilong_name
 
     if is_babilong_name(name):
         task = parse_babilong_name(name)
@@ -247,7 +247,7 @@ def _over_lengths(evals: list[tuple[Path, dict]], *, keep_single: bool = False) 
 def _babilong_figures(results_dir: Path) -> list[tuple[str, Callable, dict]]:
     """What `draw_babilong` draws: (file name, plot function, its results) for each figure the
     current BABILong folders have data for."""
-    from ilcp.tasks.babilong_context import is_babilong_name, parse_babilong_name
+    from ilcp.names import is_babilong_name, parse_babilong_name
     from ilcp.evaluation.report import length_curves, plot_accuracy_vs_length, plot_accuracy_vs_ttft
 
     current = _current_babilong(results_dir)
