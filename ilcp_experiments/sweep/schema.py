@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import yaml
-from ilcp.config import VARIANTS, TrainConfig, flatten, load_config
+from ilcp.config import TrainConfig, flatten, load_config
+from ilcp.config_sections import VARIANTS
 from ilcp.names import PAYLOAD_DTYPES as DTYPES
 from ilcp.names import split_task_names
 from ilcp.evaluation.registry import expand_method_names, make_method
