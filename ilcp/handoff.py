@@ -48,7 +48,8 @@ from .receiver.decoding import greedy_decode
 from .encoder.model import ILCPEncoder
 from .encoder.spec import EncoderSpec
 from .export import (CONFIG_FILE, ExportError, ExportedRun, check_fingerprint, load_export_lm, read_config,
-                     read_export, save_encoder)
+                     read_export)
+from .export_writing import save_encoder
 from .lm import LM
 from .compat import output_cache_or_none
 from .encoder.kinds import memory_kind_of
