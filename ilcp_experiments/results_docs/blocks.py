@@ -248,7 +248,7 @@ def _babilong_figures(results_dir: Path) -> list[tuple[str, Callable, dict]]:
     """What `draw_babilong` draws: (file name, plot function, its results) for each figure the
     current BABILong folders have data for."""
     from ilcp.tasks.babilong_context import is_babilong_name, parse_babilong_name
-    from ilcp.evaluation.report import length_curves, plot_accuracy_vs_length, plot_accuracy_vs_ttft
+    from ilcp.evaluation.plots import length_curves, plot_accuracy_vs_length, plot_accuracy_vs_ttft
 
     current = _current_babilong(results_dir)
     merged = _over_lengths(current)
@@ -477,9 +477,9 @@ def draw_at_a_glance(results_dir: Path) -> Path | None:
     rows = [r for r in glance_rows(results_dir) if r["task"] == "babi:1"]
     if not rows:
         return None
-    from ilcp.evaluation.report import _pyplot
+    from ilcp.evaluation.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     sweep = ((load(results_dir / rows[0]["folder"] / "results.json") or {}).get("context_length") or {}).get("rows")
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 6.5, 4.6), squeeze=False)
     ax = axes[0][0]
@@ -594,9 +594,9 @@ def draw_general(results_dir: Path) -> list[Path]:
     data = _general(results_dir)
     if data is None:
         return []
-    from ilcp.evaluation.report import _pyplot
+    from ilcp.evaluation.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     folder, tasks, drawn = results_dir / GENERAL_FOLDER, data["tasks"], []
     squad = tasks.get("squad")
     if squad:
