@@ -146,7 +146,7 @@ NOT_COPIES = {
     ("ilcp_experiments/sweep/run.py", "TEXT_METHODS"): "the methods that read the context text",
     ("ilcp_experiments/sweep/run.py", "EMPTY_METHODS"): "the methods that carry no context",
     ("ilcp_experiments/sweep/render.py", "_REFERENCE_MARKERS"): "the plot's reference rows",
-    ("ilcp_experiments/results_docs/blocks.py", "babilong_targets"): "the rows a results page compares",
+    ("ilcp_experiments/results_docs/babilong.py", "babilong_targets"): "the rows a results page compares",
 }
 
 
