@@ -172,7 +172,7 @@ def _int(value, name: str, low: int, where: Path) -> int:
     return value
 
 
-def _eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
+def eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise SweepError(f"{where}: eval must be a mapping, got {raw!r}")
@@ -362,7 +362,7 @@ def load_sweep(path: str | Path, *, out: str | Path | None = None, checkpoints: 
     if limit is not None:
         _int(limit, "--limit", 1, path)
     points = _points(raw.get("points"), path)
-    settings = _eval_settings(raw.get("eval"), path, limit)
+    settings = eval_settings(raw.get("eval"), path, limit)
     selection, selection_needs = _selection(raw.get("selection"), path, settings, limit)
     reference = _reference(raw.get("reference"), path, points, selection_needs)
     for key, given in (("checkpoints", checkpoints), ("out", out)):
