@@ -38,7 +38,8 @@ from .encoder.model import ILCPEncoder
 from .encoder.send import MAX_BATCH_TOKENS, MAX_SEND_CHARACTERS, Sender
 from .encoder.spec import EncoderSpec
 from .export import (CONFIG_FILE, ExportError, ExportedRun, check_fingerprint, load_export_lm, read_config,
-                     read_export, save_encoder)
+                     read_export)
+from .export_writing import save_encoder
 from .lm import LM
 from .precision import hold, resolve
 from .receiver.receive import Receiver, answers_by_request

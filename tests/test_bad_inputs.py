@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ilcp import cli, rclc
-from ilcp.export import ExportError, file_digest, read_export, sign_export
+from ilcp.export import ExportError, read_export, sign_export
+from ilcp.export_integrity import file_digest
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import build_tiny_qwen3
 from ilcp.rclc import SnapshotError

@@ -11,7 +11,7 @@ import pytest
 from ilcp.evaluation import run as eval_run
 from ilcp.evaluation import session as eval_session
 from ilcp.evaluation.methods import DEFAULT_METHODS, ColdRead, ILCPMethod
-from ilcp.evaluation.registry import _FAMILIES, EvalContext, HandoffMethod, Sent, make_method, register_method
+from ilcp.evaluation.registry import FAMILIES, EvalContext, HandoffMethod, Sent, make_method, register_method
 from ilcp.stats import bootstrap_interval, latency_summary
 from ilcp.evaluation.run import evaluate
 from ilcp.export import ExportError, read_export
@@ -153,7 +153,7 @@ class Head(HandoffMethod):
 
 
 def test_a_registered_method_family_runs_in_the_same_loop(run_dir, tiny_lm, monkeypatch):
-    monkeypatch.setitem(_FAMILIES, "head", None)  # restored after the test
+    monkeypatch.setitem(FAMILIES, "head", None)  # restored after the test
     register_method("head", Head, family=True, replace=True)
     assert make_method("head:3").words == 3
     results = evaluate(run_dir, methods=["no_context", "head:3"], limit=3, latency_n=1, lengths=(), lm=tiny_lm, **FAST)

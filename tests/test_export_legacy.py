@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ilcp.encoder.spec import EncoderSpec
-from ilcp.export import ExportError, file_digest, read_config, read_export
+from ilcp.export import ExportError, read_config, read_export
+from ilcp.export_integrity import file_digest
 from ilcp.handoff import ILCPHandoff
 from ilcp.encoder.kinds import PooledMemory, memory_kind_for
 

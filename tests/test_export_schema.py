@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from ilcp.encoder import kinds as memory_kinds
 from ilcp.encoder.spec import EncoderSpec
-from ilcp.export import ExportError, build_encoder, encoder_state, read_config, read_export, save_encoder
+from ilcp.export import ExportError, build_encoder, encoder_state, read_config, read_export
+from ilcp.export_writing import save_encoder
 from ilcp.encoder.kinds import (ChunkedMemory, CodecMemory, PooledMemory, config_value, memory_kind_for,
                                register_memory_kind)
 from ilcp.names import pooling_kinds

@@ -16,7 +16,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from ilcp import cli
-from ilcp.export import ExportError, ExportLMError, file_digest, sign_export
+from ilcp.export import ExportError, ExportLMError, sign_export
+from ilcp.export_integrity import file_digest
 from ilcp.handoff import MAX_SEND_CHARACTERS, ILCPHandoff
 from ilcp.lm import LM, LMLoadError, build_tiny_qwen3
 from ilcp.tasks import TaskFormatError, babi_file, parse_babi_file

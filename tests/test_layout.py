@@ -102,7 +102,7 @@ def test_the_readme_is_300_lines_or_fewer():
 
 
 def test_every_variant_the_config_names_is_described_once():
-    from ilcp.config import VARIANTS as NAMES
+    from ilcp.config_sections import VARIANTS as NAMES
     from ilcp.training.handoff_stage import VARIANTS, variant_of
 
     assert tuple(VARIANTS) == NAMES

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ilcp import cli, names
-from ilcp.config import CompressorConfig, HandoffConfig, load_config
+from ilcp.config import load_config
+from ilcp.config_sections import CompressorConfig, HandoffConfig
 from ilcp.names import Registered, RegisteredMemoryKind, resolve
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ilcp"
@@ -133,9 +134,9 @@ def test_a_new_memory_kind_is_one_entry(monkeypatch):
 # trained weights the same-named methods read). Keyed by file and the constant or function that
 # holds the literal.
 NOT_COPIES = {
-    ("ilcp/config.py", "VARIANTS"): "the training variants",
-    ("ilcp/config.py", "DEFAULT_VARIANTS"): "the training variants trained by default",
-    ("ilcp/config.py", "DISTILL_TEACHERS"): "the text readers a distillation teacher can be",
+    ("ilcp/config_sections.py", "VARIANTS"): "the training variants",
+    ("ilcp/config_sections.py", "DEFAULT_VARIANTS"): "the training variants trained by default",
+    ("ilcp/config_sections.py", "DISTILL_TEACHERS"): "the text readers a distillation teacher can be",
     ("ilcp/export.py", "BASELINES"): "the soft-prompt training variants",
     ("ilcp/training/handoff_stage.py", "make_memory_source"): "the soft-prompt training variants",
     ("ilcp/evaluation/decoders.py", "THROUGHPUT_METHODS"): "the methods whose decode throughput is measured",
@@ -145,7 +146,7 @@ NOT_COPIES = {
     ("ilcp_experiments/sweep/run.py", "TEXT_METHODS"): "the methods that read the context text",
     ("ilcp_experiments/sweep/run.py", "EMPTY_METHODS"): "the methods that carry no context",
     ("ilcp_experiments/sweep/render.py", "_REFERENCE_MARKERS"): "the plot's reference rows",
-    ("ilcp_experiments/results_docs/blocks.py", "babilong_targets"): "the rows a results page compares",
+    ("ilcp_experiments/results_docs/babilong.py", "babilong_targets"): "the rows a results page compares",
 }
 
 

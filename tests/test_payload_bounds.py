@@ -17,7 +17,8 @@ from ilcp.encoder.model import ILCPEncoder
 from ilcp.encoder.spec import EncoderSpec
 from ilcp.engines.served import ServedDecoder, ServedReceiver
 from ilcp.engines.vllm import VLLMReceiver
-from ilcp.export import ExportError, encoder_state, file_digest, read_config, read_export, sign_export
+from ilcp.export import ExportError, encoder_state, read_config, read_export, sign_export
+from ilcp.export_integrity import file_digest
 from ilcp.handoff import ILCPHandoff
 from ilcp.encoder.kinds import ChunkedMemory
 from ilcp.encoder.slots import SlotMemory

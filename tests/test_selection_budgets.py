@@ -2,7 +2,7 @@
 
 from ilcp.evaluation.rclc_methods import RCLC_BUDGETS, RCLC_BUDGETS_TUNED, SELECTORS, parse_rclc_name
 from ilcp.evaluation.registry import expand_method_names
-from ilcp.evaluation.report import plot_selection_budgets, selection_curves
+from ilcp.evaluation.plots import plot_selection_budgets, selection_curves
 
 
 def _row(em, wire):

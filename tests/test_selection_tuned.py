@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ilcp.config import DEFAULT_VARIANTS, load_config
+from ilcp.config import load_config
+from ilcp.config_sections import DEFAULT_VARIANTS
 from ilcp.encoder.model import ConstantMemory
 from ilcp.evaluation import rclc_methods
 from ilcp.evaluation.rclc_methods import parse_rclc_name, selection_prompt_ids

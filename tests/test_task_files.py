@@ -602,15 +602,15 @@ def test_the_shipped_squad_task(squad_splits):
 def test_the_sweep_reads_file_task_names_through_the_registry(tmp_path):
     """A sweep's eval.tasks takes a file task (a per-split list keeps its commas) and refuses a
     missing file in one line."""
-    from ilcp_experiments.sweep.schema import SweepError, _eval_settings
+    from ilcp_experiments.sweep.schema import SweepError, eval_settings
 
     notes = tmp_path / "notes.jsonl"
     notes.write_text(json.dumps({"context": "c", "question": "q", "answer": "a"}) + "\n")
     where = tmp_path / "sweep.yaml"
-    settings = _eval_settings({"tasks": f"babi:2,jsonl:train={notes},test={notes}"}, where, None)
+    settings = eval_settings({"tasks": f"babi:2,jsonl:train={notes},test={notes}"}, where, None)
     assert settings.tasks == ("babi:2", f"jsonl:train={notes},test={notes}")
     with pytest.raises(SweepError, match="missing.jsonl: no such file"):
-        _eval_settings({"tasks": [f"jsonl:{tmp_path / 'missing.jsonl'}"]}, where, None)
+        eval_settings({"tasks": [f"jsonl:{tmp_path / 'missing.jsonl'}"]}, where, None)
 
 
 def test_a_run_trains_and_evaluates_on_a_file_of_its_own(tmp_path, tiny_lm):

@@ -166,7 +166,7 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
 def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
     """Only the answer's logits are computed; the loss must equal HF's loss with -100 labels."""
     from ilcp.receiver import prompts
-    from ilcp.config import HandoffConfig
+    from ilcp.config_sections import HandoffConfig
     from ilcp.receiver.decoding import left_pad
 
     source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
@@ -303,7 +303,7 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
 
 def test_stage_one_scores_nothing_rather_than_nan_when_no_answer_is_known(tiny_lm):
     from ilcp.encoder.compressor import BetaVAE
-    from ilcp.config import CompressorConfig
+    from ilcp.config_sections import CompressorConfig
 
     module = training.CompressorModule(ILCPEncoder(BetaVAE(8, 4, 16)),
                                        CompressorConfig(hidden_dim=16, answer_head_weight=1.0),
@@ -329,7 +329,7 @@ def test_baselines_alone_extract_no_sender_states(tmp_path, tiny_lm):
 
 def test_frozen_encoder_freezes_the_pooler_in_stage_two(tiny_lm):
     from ilcp.encoder.compressor import BetaVAE
-    from ilcp.config import HandoffConfig
+    from ilcp.config_sections import HandoffConfig
     from ilcp.encoder.pooling import AttentionPooler
 
     pooler = AttentionPooler(tiny_lm.hidden_size, 2)
@@ -380,7 +380,7 @@ def test_distillation_adds_the_kl_to_the_text_reading_teacher_in_training_only(t
 
     from ilcp.receiver import prompts
     from ilcp.encoder.compressor import BetaVAE
-    from ilcp.config import HandoffConfig
+    from ilcp.config_sections import HandoffConfig
 
     torch.manual_seed(0)
     cfg = HandoffConfig(num_memory_tokens=2, projector_hidden=16, distill_weight=0.5)

@@ -230,7 +230,7 @@ def _members(target: str) -> Callable[[], tuple[str, ...]]:
 
 # the built-in names, from the registries of ilcp.names; register_method and register_group add others
 _EXACT: dict[str, Callable[[str], HandoffMethod]] = {name: _factory(e.target) for name, e in METHODS.items()}
-_FAMILIES: dict[str, Callable[[str], HandoffMethod]] = {name: _factory(e.target) for name, e in METHOD_FAMILIES.items()}
+FAMILIES: dict[str, Callable[[str], HandoffMethod]] = {name: _factory(e.target) for name, e in METHOD_FAMILIES.items()}
 _GROUPS: dict[str, Callable[[], tuple[str, ...]]] = {name: _members(e.target) for name, e in METHOD_GROUPS.items()}
 
 
@@ -248,7 +248,7 @@ def register_method(name: str, factory: Callable[[str], HandoffMethod], *, famil
         raise ValueError(f"method name must be a non-empty string without ':', got {name!r}")
     if not callable(factory):
         raise ValueError(f"factory for {name!r} must be callable, got {factory!r}")
-    table = _FAMILIES if family else _EXACT
+    table = FAMILIES if family else _EXACT
     if name in table and not replace:
         raise ValueError(f"method {name!r} is already registered (pass replace=True to replace it)")
     table[name] = factory
@@ -256,7 +256,7 @@ def register_method(name: str, factory: Callable[[str], HandoffMethod], *, famil
 
 def method_names() -> list[str]:
     """Registered exact names, then families as ``"family:..."``."""
-    return sorted(_EXACT) + [f"{f}:..." for f in sorted(_FAMILIES)]
+    return sorted(_EXACT) + [f"{f}:..." for f in sorted(FAMILIES)]
 
 
 def make_method(name: str) -> HandoffMethod:
@@ -267,8 +267,8 @@ def make_method(name: str) -> HandoffMethod:
     if name in _EXACT:
         return _EXACT[name](name)
     family = name.split(":", 1)[0]
-    if ":" in name and family in _FAMILIES:
-        return _FAMILIES[family](name)
+    if ":" in name and family in FAMILIES:
+        return FAMILIES[family](name)
     raise ValueError(f"unknown method {name!r}; known: {', '.join(method_names())}")
 
 

@@ -28,7 +28,8 @@ from torch.utils.data import Dataset
 
 from .. import export
 from ..encoder.compressor import BetaVAE, active_units
-from ..config import CompressorConfig, TrainConfig
+from ..config import TrainConfig
+from ..config_sections import CompressorConfig
 from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..encoder.kinds import MemoryKind, memory_kind_for

@@ -31,7 +31,8 @@ from torch import Tensor
 from .. import export
 from ..receiver import prompts
 from ..compat import logits_to_keep_kwargs
-from ..config import HandoffConfig, TrainConfig
+from ..config import TrainConfig
+from ..config_sections import HandoffConfig
 from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..lm import LM, mean_token_embedding_norm

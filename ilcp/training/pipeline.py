@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import export
+from .. import export, export_writing
 from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
@@ -265,7 +265,7 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
             encoder.latent_bound = latent_bound(encoder, [val_rows, train_rows], cfg.data.pool_batch_size)
             say(f"latent bound {encoder.latent_bound:.4g}: a receiver refuses a latent value beyond it"
                 if encoder.latent_bound is not None else "no latent bound: every latent of these rows is 0")
-        export.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)
+        export_writing.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)
         clock.done("export")
         metrics["total_seconds"] = clock.total
         atomic_write_json(run_dir / "metrics.json", metrics)  # not among the export's digests

@@ -13,8 +13,9 @@ written there is generated from them:
   which tests/test_results_docs.py asserts is empty), `write` and the command line.
 """
 
-from .blocks import (GLANCE, babilong_block, babilong_targets, datasets_block, draw_at_a_glance, draw_babilong,
-                     draw_general, general_block, glance_rows, glance_table, served_block)
+from .babilong import babilong_block, babilong_targets, draw_babilong
+from .blocks import GLANCE, datasets_block, draw_at_a_glance, glance_rows, glance_table, served_block
+from .general import draw_general, general_block
 from .folders import RESULTS_DIR, experiment_folders, folder_readme, replace_block
 from .report import generated, main, stale, write
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from ilcp.io import atomic_write_text
 
-from .blocks import (babilong_block, datasets_block, draw_at_a_glance, draw_babilong, draw_general, general_block,
-                     glance_table, served_block)
+from .babilong import babilong_block, draw_babilong
+from .blocks import datasets_block, draw_at_a_glance, glance_table, served_block
+from .general import draw_general, general_block
 from .folders import (BABILONG_DOC, GENERAL_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
                       index, replace_block)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ilcp.evaluation.report import selection_curves
+from ilcp.evaluation.plots import selection_curves
 from ilcp.formatting import byte_count, percent
 
 from .schema import Sweep, eval_entries

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import yaml
-from ilcp.config import VARIANTS, TrainConfig, flatten, load_config
+from ilcp.config import TrainConfig, flatten, load_config
+from ilcp.config_sections import VARIANTS
 from ilcp.names import PAYLOAD_DTYPES as DTYPES
 from ilcp.names import split_task_names
 from ilcp.evaluation.registry import expand_method_names, make_method
@@ -171,7 +172,7 @@ def _int(value, name: str, low: int, where: Path) -> int:
     return value
 
 
-def _eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
+def eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise SweepError(f"{where}: eval must be a mapping, got {raw!r}")
@@ -361,7 +362,7 @@ def load_sweep(path: str | Path, *, out: str | Path | None = None, checkpoints: 
     if limit is not None:
         _int(limit, "--limit", 1, path)
     points = _points(raw.get("points"), path)
-    settings = _eval_settings(raw.get("eval"), path, limit)
+    settings = eval_settings(raw.get("eval"), path, limit)
     selection, selection_needs = _selection(raw.get("selection"), path, settings, limit)
     reference = _reference(raw.get("reference"), path, points, selection_needs)
     for key, given in (("checkpoints", checkpoints), ("out", out)):

@@ -134,7 +134,8 @@ def smollm2_handoff(vllm_folder, smollm2_lm):
 
     from ilcp.encoder.compressor import BetaVAE
     from ilcp.encoder.model import ILCPEncoder
-    from ilcp.export import EXPORT_FORMAT, EXPORT_VERSION, save_encoder
+    from ilcp.export import EXPORT_FORMAT, EXPORT_VERSION
+    from ilcp.export_writing import save_encoder
     from ilcp.handoff import ILCPHandoff
     from ilcp.encoder.projector import GatedLatentToMemoryProjector
 

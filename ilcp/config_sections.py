@@ -1,0 +1,413 @@
+"""The sections of the training configuration, one dataclass each: `LMConfig` (``lm``),
+`DataConfig` (``data``), `CompressorConfig` (``compressor``), `HandoffConfig` (``handoff``),
+`ReconstructConfig` (``reconstruct``) and `TrainerConfig` (``trainer``), with the names their
+fields take (training variants, distillation teachers, accelerators).
+
+Every field carries its help text (``field(metadata={"help": ...})``), and `__post_init__` checks
+its section; `ilcp.config.TrainConfig` holds them all and checks their combinations.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+from .names import DEFAULT_LM, DEFAULT_SELECTOR, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS, pooling_kinds
+from .receiver.prompts import MEMORY_PLACEMENTS
+
+VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
+DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class LMConfig:
+    spec: str = _f(DEFAULT_LM, "LM to load: 'smollm2-135m-instruct', 'tiny-qwen3', a local HF directory or a hub id")
+    dtype: str = _f("float32", "parameter dtype of the frozen LM: float32, bfloat16 or float16")
+    cache_dir: str | None = _f(None, "where converted models and pooled states are cached (default $ILCP_CACHE or ~/.cache/ilcp)")
+
+    def __post_init__(self):
+        if self.dtype not in {"float32", "bfloat16", "float16"}:
+            raise ValueError(f"lm.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DataConfig:
+    task: str = _f("babi:1", "training task: 'babi:N', a balanced mix 'babi:1+2' or 'babi:all', 'facts', "
+                             "'babilong:N:LENGTH' (bAbI task N spread through background prose to LENGTH tokens of the "
+                             "LM: 0, 0.5k, 1k, 2k, 4k or a number), 'squad' (the shipped SQuAD subset), or a file of "
+                             "your own: 'jsonl:PATH', 'csv:PATH', 'parquet:PATH', 'disk:PATH' (datasets' save_to_disk), "
+                             "'jsonl:train=A,test=B' (columns context, question, answer, optional id), or a mix of any of "
+                             "these 'mix:squad|babi:all' (the same number of rows from each single task)")
+    babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
+    train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
+    val_size: int = _f(256, "validation rows for the teacher-forced loss")
+    val_decode_size: int = _f(256, "validation rows decoded greedily for exact match (a fixed subset)")
+    facts_n_facts: int = _f(4, "facts task: facts stated in each context")
+    facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
+    facts_value_split: str | None = _f(None, "facts task: 'train' draws every value from the training side of the "
+                                             "value partition, so eval's facts-heldout split asks only unseen values "
+                                             "(null: the original generator)")
+    max_length: int = _f(0, "context tokens the sender reads (0 = the LM's own limit, its max_position_embeddings; "
+                            "a longer context keeps its last tokens, the export records the limit and eval reports "
+                            "the contexts cut)")
+    pool_layers: list = _f([-1], "hidden-state layers mean-pooled and concatenated (-1 = last)")
+    pool_batch_size: int = _f(16, "contexts per forward of sender-state extraction")
+    pool_batch_tokens: int = _f(16384, "at most this many padded positions per extraction forward (long contexts "
+                                       "go a few, or one, at a time)")
+    cache_dtype: str = _f("auto", "dtype the sender states are cached in: auto (bfloat16 when the run computes in "
+                                  "bfloat16, else float32), float32 or bfloat16; part of the cache key")
+    seed: int = _f(0, "seed of the validation split and of procedural tasks")
+    columns: dict = _f({}, "file tasks: the file's column for each standard name, e.g. {context: passage, answer: "
+                           "gold} (data.columns.context=passage); unmapped names are read as they are")
+    validation_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts "
+                                         "carved out for validation")
+    test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
+                                   "out for test (eval's split)")
+    heldout_tasks: list = _f([], "single tasks of data.task (a mix) kept out of every training stage (pretraining "
+                                 "texts included); the export records them and eval reports them as held out, e.g. "
+                                 "[babi:2, babi:3, babi:19]")
+
+    def __post_init__(self):
+        from .names import unknown_task  # the standard library only
+
+        problem = unknown_task(self.task)
+        if problem is not None:
+            raise ValueError(f"data.task: {problem}")
+        if self.task.startswith("babilong"):
+            from .names import parse_babilong_name  # the standard library only
+
+            try:
+                parse_babilong_name(self.task)
+            except ValueError as e:
+                raise ValueError(f"data.task: {e}") from None
+        if self.task.strip() == "facts-heldout":
+            raise ValueError("data.task: 'facts-heldout' is an evaluation split (values never seen in training); "
+                             "train on 'facts' with data.facts_value_split=train")
+        if not isinstance(self.heldout_tasks, list) or not all(isinstance(t, str) for t in self.heldout_tasks):
+            raise ValueError(f"data.heldout_tasks must be a list of task names, got {self.heldout_tasks!r}")
+        for name in self.heldout_tasks:
+            if unknown_task(name) is not None:
+                raise ValueError(f"data.heldout_tasks: {unknown_task(name)}")
+        if not isinstance(self.columns, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in self.columns.items()):
+            raise ValueError(f"data.columns must map names to column names, got {self.columns!r}")
+        unknown = sorted(set(self.columns) - {"context", "question", "answer", "id"})
+        if unknown:
+            raise ValueError(f"data.columns: unknown key(s) {', '.join(unknown)}; map context, question, answer or id")
+        for name in ("validation_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"data.{name} must be in [0, 1), got {value!r}")
+        if self.validation_fraction + self.test_fraction >= 1:
+            raise ValueError("data.validation_fraction + data.test_fraction must be below 1")
+        if self.babi_variant not in {"en", "en-10k"}:
+            raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
+        for name in ("train_size", "val_size", "val_decode_size", "pool_batch_size", "pool_batch_tokens",
+                     "facts_n_facts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"data.cache_dtype must be auto, float32 or bfloat16, got {self.cache_dtype!r}")
+        if self.max_length < 0:
+            raise ValueError(f"data.max_length must be >= 0 (0 = the LM's own limit), got {self.max_length}")
+        if self.facts_value_split not in (None, "train"):
+            raise ValueError(f"data.facts_value_split must be null or 'train', got {self.facts_value_split!r}")
+        if self.facts_n_distractors < 0:
+            raise ValueError(f"data.facts_n_distractors must be >= 0, got {self.facts_n_distractors}")
+        if not self.pool_layers or not all(isinstance(i, int) for i in self.pool_layers):
+            raise ValueError(f"data.pool_layers must be a non-empty list of ints, got {self.pool_layers!r}")
+
+
+@dataclass
+class CompressorConfig:
+    latent_dim: int = _f(32, "latent width: the payload is latent_dim floats (32 x float32 = 128 bytes)")
+    hidden_dim: int = _f(512, "width of the VAE body and decoder")
+    beta: float = _f(0.1, "weight of the KL term")
+    kl_warmup_steps: int = _f(200, "steps over which the KL weight ramps from 0 to beta (0 = none)")
+    epochs: int = _f(30, "stage-1 epochs over the training pooled states")
+    batch_size: int = _f(128, "stage-1 batch size")
+    lr: float = _f(1e-3, "stage-1 AdamW learning rate")
+    pooling: str = _f("attention", "sender summary: 'attention' (learned queries), 'mean' (masked mean, the spec), "
+                                   "'concat' (with chunk_tokens: a chunk's token states side by side) or 'slots' "
+                                   "(learned memory tokens the sender's LM reads after the context, one latent each)")
+    chunk_tokens: int = _f(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
+                              "payload grows with the context (0 = one latent per context, the spec)")
+    pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
+    answer_head_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
+                                  "[z ; question]: answers shape the latent without the LM (0 = the spec)")
+    story_attention_weight: float = _f(0.0, "BABILong training only: stage 1 adds this weight x the cross-entropy of each "
+                                       "attention query against the uniform distribution over the story's tokens "
+                                       "(known from the construction), teaching the pooler to find the story in the "
+                                       "prose; the sender is never told where it is (0 = off)")
+    pooler_lr: float = _f(0.0, "stage-1 learning rate of the attention pooler (0 = compressor.lr)")
+    tokens_per_slot: int = _f(16, "with pooling=slots, one memory slot per this many context tokens")
+    min_slots: int = _f(1, "with pooling=slots, the fewest slots a context gets")
+    max_slots: int = _f(64, "with pooling=slots, the most slots a context gets (longer contexts share them)")
+    slot_adapter_rank: int = _f(0, "with pooling=slots, rank of low-rank adapters on the sender LM's layers, active "
+                                   "for the slot positions only (0 = none: the slots alone learn)")
+    slot_adapter_targets: list = _f(["q_proj", "v_proj"], "the LM's linear layers (by name) the slot adapters adapt")
+
+    def __post_init__(self):
+        for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"compressor.chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.chunk_tokens > 0 and self.answer_head_weight > 0:
+            raise ValueError("compressor.chunk_tokens > 0 needs compressor.answer_head_weight=0 (the answer head reads "
+                             "one latent per context)")
+        if self.answer_head_weight < 0:
+            raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
+        if self.pooling not in pooling_kinds():
+            raise ValueError(f"compressor.pooling must be one of {list(pooling_kinds())}, got {self.pooling!r}")
+        if self.pooling == "concat" and self.chunk_tokens < 1:
+            raise ValueError("compressor.pooling=concat needs compressor.chunk_tokens >= 1 (it reads chunks)")
+        if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
+            raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
+        if self.story_attention_weight < 0 or self.pooler_lr < 0:
+            raise ValueError("compressor.story_attention_weight and compressor.pooler_lr must be >= 0")
+        if min(self.tokens_per_slot, self.min_slots) < 1 or self.max_slots < self.min_slots:
+            raise ValueError("compressor.tokens_per_slot and compressor.min_slots must be >= 1 and compressor.max_slots "
+                             f">= compressor.min_slots, got {self.tokens_per_slot}, {self.min_slots}, {self.max_slots}")
+        if self.slot_adapter_rank < 0 or not (isinstance(self.slot_adapter_targets, list) and self.slot_adapter_targets
+                                              and all(isinstance(t, str) for t in self.slot_adapter_targets)):
+            raise ValueError("compressor.slot_adapter_rank must be >= 0 and compressor.slot_adapter_targets a non-empty "
+                             f"list of layer names, got {self.slot_adapter_rank}, {self.slot_adapter_targets!r}")
+        if self.slot_adapter_rank > 0 and self.pooling != "slots":
+            raise ValueError("compressor.slot_adapter_rank > 0 adapts the LM for memory slots: it needs "
+                             "compressor.pooling=slots")
+        if self.pooling == "slots" and (self.chunk_tokens > 0 or self.answer_head_weight > 0):
+            raise ValueError("compressor.pooling=slots needs compressor.chunk_tokens=0 and compressor.answer_head_weight=0 "
+                             "(the slots are the chunks, and are trained through the LM in stage 2)")
+        if self.story_attention_weight > 0 and (self.pooling != "attention" or self.chunk_tokens > 0):
+            raise ValueError("compressor.story_attention_weight > 0 teaches an attention pooler over the whole "
+                             "context: it needs compressor.pooling=attention and compressor.chunk_tokens=0")
+
+
+# the readers of the text a distillation teacher can be (the plain LM, or behind this run's tuned vectors)
+DISTILL_TEACHERS = ("cold_read", "cold_read_tuned")
+
+
+@dataclass
+class HandoffConfig:
+    variants: list = _f(list(DEFAULT_VARIANTS), "what stage 2 trains: any of ilcp, prompt_tuned, cold_read_tuned, "
+                                                "selection_tuned (K vectors before an RCLC selection of the context)")
+    num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt")
+    projector_hidden: int = _f(512, "width of the projector's trunk")
+    finetune_encoder: bool = _f(True, "let the answer loss reach the VAE encoder (False = the spec's frozen encoder)")
+    distill_weight: float = _f(0.0, "ilcp: weight of a distillation term, KL(teacher || receiver) over the answer "
+                                    "tokens, the teacher being the frozen LM reading the context text (0 = none)")
+    distill_temperature: float = _f(1.0, "temperature of both distributions in the distillation term")
+    distill_teacher: str = _f("cold_read", "the distillation teacher: 'cold_read' (the frozen LM reading the text) or "
+                                           "'cold_read_tuned' (reading it behind this run's cold_read_tuned vectors, "
+                                           "trained first)")
+    joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
+    max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants)")
+    batch_size: int = _f(8, "stage-2 batch size")
+    lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt")
+    encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on")
+    weight_decay: float = _f(0.0, "stage-2 AdamW weight decay")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
+    max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    validate_start: bool = _f(False, "validate before the first step too, and keep the starting weights when no "
+                                     "step beats them (for a source that may start well: format_from with "
+                                     "vocabulary_snap)")
+    format_vectors: int = _f(0, "ilcp with memory_placement=in_prompt: learned vectors before the whole prompt, "
+                                "as cold_read_tuned's (0 = none)")
+    memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "
+                                         "question prompt, the spec) or 'in_prompt' (where the context text stands "
+                                         "in the cold-read prompt; for a token codec)")
+    vocabulary_snap: str = _f("none", "ilcp: 'soft' reads each memory vector as a softmax mixture of the LM's token "
+                                      "embeddings (cosine at snap_temperature), 'hard' as the closest one "
+                                      "(straight-through gradient); 'none' reads the projected vectors")
+    snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax")
+    snap_metric: str = _f("cosine", "ilcp: how vocabulary_snap scores a row: 'cosine' or 'dot' (the inner product, "
+                                    "for a codec trained with reconstruct.token_logits=dot; set snap_temperature=1)")
+    format_from: str = _f("", "ilcp with memory_placement=in_prompt: cold_read_tuned's trained vectors (frozen) "
+                              "before the whole prompt: 'cold_read_tuned' trains them first in the same run; a "
+                              "path reads them from another run's export, for the same LM ('' = none)")
+    selection_selector: str = _f(DEFAULT_SELECTOR, "selection_tuned: the RCLC selector whose rows replace the context "
+                                                   f"text ({', '.join(SELECTORS)})")
+    selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
+
+    def __post_init__(self):
+        if self.selection_selector not in SELECTORS:
+            raise ValueError(f"handoff.selection_selector must be one of {list(SELECTORS)}, "
+                             f"got {self.selection_selector!r}")
+        if self.selection_ratio < 1:
+            raise ValueError(f"handoff.selection_ratio must be >= 1, got {self.selection_ratio}")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(f"handoff.variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants!r}")
+        for name in ("num_memory_tokens", "projector_hidden", "max_steps", "batch_size", "val_every_steps", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.encoder_lr <= 0:
+            raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
+        if self.format_vectors < 0 or (self.format_vectors and self.memory_placement == "prefix"):
+            raise ValueError("handoff.format_vectors must be >= 0, and needs handoff.memory_placement=in_prompt "
+                             "(with prefix memory the memory vectors are already in front)")
+        if self.memory_placement not in MEMORY_PLACEMENTS:
+            raise ValueError(f"handoff.memory_placement must be one of {list(MEMORY_PLACEMENTS)}, "
+                             f"got {self.memory_placement!r}")
+        if self.vocabulary_snap not in VOCABULARY_SNAPS or not self.snap_temperature > 0:
+            raise ValueError(f"handoff.vocabulary_snap must be one of {list(VOCABULARY_SNAPS)} and "
+                             f"handoff.snap_temperature > 0, got {self.vocabulary_snap!r}, {self.snap_temperature!r}")
+        if self.snap_metric not in SNAP_METRICS:
+            raise ValueError(f"handoff.snap_metric must be one of {list(SNAP_METRICS)}, got {self.snap_metric!r}")
+        if not isinstance(self.format_from, str):
+            raise ValueError(f"handoff.format_from must be '', 'cold_read_tuned' or a run directory, "
+                             f"got {self.format_from!r}")
+        if self.format_from and (self.memory_placement == "prefix" or self.format_vectors or "ilcp" not in self.variants):
+            raise ValueError("handoff.format_from needs handoff.memory_placement=in_prompt, handoff.format_vectors=0 "
+                             "and ilcp among handoff.variants")
+        if self.format_from == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
+            raise ValueError("handoff.format_from=cold_read_tuned trains cold_read_tuned first: add it to "
+                             "handoff.variants, or name another run's directory")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
+        if self.distill_teacher not in DISTILL_TEACHERS:
+            raise ValueError(f"handoff.distill_teacher must be one of {list(DISTILL_TEACHERS)}, got "
+                             f"{self.distill_teacher!r}")
+        if self.distill_teacher == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
+            raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "
+                             "handoff.variants")
+        if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError("handoff.joint_kl_weight, warmup_steps and weight_decay must be >= 0")
+
+
+@dataclass
+class ReconstructConfig:
+    steps: int = _f(0, "reconstruction-stage steps between stage 1 and the answer stage: the frozen LM regenerates "
+                       "each training context from the K memory vectors alone (0 = no such stage)")
+    batch_size: int = _f(8, "reconstruction-stage batch size (distinct training contexts)")
+    lr: float = _f(1e-3, "reconstruction-stage learning rate of the projector")
+    encoder_lr: float = _f(1e-3, "reconstruction-stage learning rate of the pooler and VAE")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end")
+    max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)")
+    token_steps: int = _f(0, "steps of the token loss alone, before the reconstruction steps: no LM forward, so "
+                             "cheap (needs compressor.chunk_tokens = handoff.num_memory_tokens)")
+    token_weight: float = _f(0.0, "weight of the token loss added to the reconstruction loss: memory vector j of a "
+                                  "chunk should read as the chunk's j-th token (0 = none)")
+    token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step")
+    token_shape_weight: float = _f(1.0, "token loss: weight of the cosine and norm terms that keep each vector at its "
+                                        "token's direction and scale (a snapped codec, handoff.vocabulary_snap, "
+                                        "needs only the cross-entropy's ranking)")
+    token_logits: str = _f("cosine", "token loss: the cross-entropy's scores, 'cosine' (at the fixed temperature "
+                                     "0.05) or 'dot' (inner products with the embedding rows; read it with "
+                                     "handoff.snap_metric=dot)")
+    random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
+                              "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
+    random_words: int = _f(12, "whole-word tokens per random text")
+    texts: list = _f(["task"], "what the stage reads: 'task' (the training contexts), 'prose' (passages of the "
+                               "background books), or task names whose contexts it reads (squad, babi:all, jsonl:PATH, "
+                               "...), each split as the task splits it; besides 'task' needs compressor.pooling=slots")
+    texts_per_source: int = _f(2000, "the most training texts read from each source besides 'task' (validation: a tenth)")
+    continuation: float = _f(0.0, "share of texts read as a continuation: the memory of a text's first half, the receiver "
+                                  "goes on with the second (0 = reconstruction only; needs compressor.pooling=slots)")
+    patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the stage runs."""
+        return self.steps + self.token_steps > 0
+
+    def __post_init__(self):
+        if self.steps < 0 or self.token_steps < 0 or self.random_texts < 0:
+            raise ValueError(f"reconstruct.steps, token_steps and random_texts must be >= 0, got {self.steps}, "
+                             f"{self.token_steps} and {self.random_texts}")
+        if self.token_logits not in SNAP_METRICS:
+            raise ValueError(f"reconstruct.token_logits must be one of {list(SNAP_METRICS)}, got {self.token_logits!r}")
+        if self.token_weight < 0 or self.token_shape_weight < 0:
+            raise ValueError(f"reconstruct.token_weight and token_shape_weight must be >= 0, got {self.token_weight}, "
+                             f"{self.token_shape_weight}")
+        for name in ("token_candidates", "random_words"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_size", "val_every_steps", "max_target_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.encoder_lr <= 0 or self.warmup_steps < 0:
+            raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
+        if not isinstance(self.texts, list) or not self.texts or not all(isinstance(t, str) and t for t in self.texts):
+            raise ValueError(f"reconstruct.texts must be a non-empty list of names, got {self.texts!r}")
+        from .names import unknown_task  # the standard library only
+
+        for name in self.texts:
+            problem = None if name in ("task", "prose") else unknown_task(name)
+            if problem:
+                raise ValueError(f"reconstruct.texts: {problem} (or 'task', 'prose')")
+        if self.texts_per_source < 1 or self.patience < 0 or not 0 <= self.continuation <= 1:
+            raise ValueError("reconstruct.texts_per_source must be >= 1, reconstruct.patience >= 0 and "
+                             f"reconstruct.continuation in [0, 1], got {self.texts_per_source}, {self.patience}, "
+                             f"{self.continuation}")
+
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+
+
+def _valid_devices(devices) -> bool:
+    """Lightning's forms of ``devices``: 'auto', an int >= 1 or -1, a non-empty list of indices
+    >= 0, or a string of an int or of comma-separated indices."""
+    def index(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, list):
+        return bool(devices) and all(index(d) for d in devices)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return True
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            return False
+        return bool(numbers) and (all(n >= 0 for n in numbers) if "," in text else numbers[0] >= 1 or numbers[0] == -1)
+    return False
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu (= cuda), mps, tpu (with torch_xla)")
+    devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto'); with more than one, the batch sizes are "
+                         "global (each device takes batch_size / devices rows a step)")
+    num_nodes: int = _f(1, "Lightning num_nodes")
+    strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ... (ranks start as processes that re-run the "
+                               "command: spawn and fork strategies are refused)")
+    precision: str = _f("auto", "compute precision of every forward through the LM, in training, state "
+                                "extraction, evaluation and ILCPHandoff: 32-true, bf16-mixed (bfloat16 autocast; "
+                                "weights, exports and payloads stay float32) or auto (bf16-mixed where the CPU or "
+                                "GPU computes bfloat16 natively and the LM's weights are float32, else 32-true)")
+    seed: int = _f(0, "global seed for initialisation and batch order")
+    progress: bool = _f(True, "show progress bars")
+
+    def __post_init__(self):
+        if self.num_nodes < 1:
+            raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
+        if self.accelerator == "tpu" and importlib.util.find_spec("torch_xla") is None:
+            raise ValueError("trainer.accelerator=tpu needs torch_xla, which is not installed here: use "
+                             "trainer.accelerator=cpu, gpu or auto")
+        if not _valid_devices(self.devices):
+            raise ValueError(f"trainer.devices must be 'auto', an int >= 1 (or -1: all), a list of device indices "
+                             f"or a string of them such as '0,1'; got {self.devices!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if any(word in str(self.strategy) for word in ("spawn", "fork", "notebook")):
+            raise ValueError(f"trainer.strategy={self.strategy!r} is not supported: the ranks of a run start as "
+                             "processes that re-run the training command; use ddp (or fsdp)")
