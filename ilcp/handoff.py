@@ -222,7 +222,7 @@ class ILCPHandoff:
 
         Each file is written atomically and config.json last, so a directory with a config.json
         holds a complete export; the written config lists model.safetensors as its only weights.
-        With ``key``, config.json is signed (`ilcp.export.sign_config`; load it with
+        With ``key``, config.json is signed (`ilcp.export_integrity.sign_config`; load it with
         ``from_pretrained(path, export_key=key)``). Returns the directory.
         """
         return save_encoder(self.encoder, self.config, path, key=key)

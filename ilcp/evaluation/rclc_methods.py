@@ -55,7 +55,7 @@ Groups for ``--methods`` (registered in `ilcp.names.METHOD_GROUPS`, expanded by
 `RCLC_METHODS`; ``rclc-quick`` is `RCLC_QUICK`; ``rclc-budgets`` is `RCLC_BUDGETS` (every
 selector at r16, r8, r4, r2, b16 and b32, and r1) and ``rclc-budgets-tuned`` the same rows with
 ``:tuned``. With two budgets or more of one selector, the report adds ``selection_budgets.png``
-(`ilcp.evaluation.report.plot_selection_budgets`).
+(`ilcp.evaluation.plots.plot_selection_budgets`).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class Task:
         raise NotImplementedError
 
     def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
-        """`load` arguments for a training split of ``size`` rows (``data``: `ilcp.config.DataConfig`)."""
+        """`load` arguments for a training split of ``size`` rows (``data``: `ilcp.config_sections.DataConfig`)."""
         return {"limit": size}
 
     def task_settings(self, data) -> dict:

@@ -100,7 +100,7 @@ def save_stage(metrics_path, metrics: dict, weights_path, tensors: dict[str, Ten
 
 
 class Processes:
-    """The processes of a run with `trainer` settings (`ilcp.config.TrainerConfig`).
+    """The processes of a run with `trainer` settings (`ilcp.config_sections.TrainerConfig`).
 
     Before `launch`, `is_main` tells whether this process is rank 0 (the ranks come from the
     environment a launcher set); `launch` starts the other ranks where needed and joins the
