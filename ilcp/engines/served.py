@@ -154,11 +154,11 @@ def resolve_model_dir(spec: str, cache_dir: str | os.PathLike | None = None) -> 
     Raises:
         ValueError: a spec that names no local directory (pass ``model_dir=``).
     """
-    from ..lm import _SMOLLM2_VERSION, default_cache_dir
+    from ..lm import SMOLLM2_VERSION, default_cache_dir
 
     if spec == DEFAULT_LM:
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        path = cache / "models" / f"smollm2-135m-instruct-{_SMOLLM2_VERSION}"
+        path = cache / "models" / f"smollm2-135m-instruct-{SMOLLM2_VERSION}"
         if (path / "config.json").is_file():
             return path
         raise ValueError(f"the converted {DEFAULT_LM} is not in {path}: load it once with ilcp.lm.load_lm(), or pass "
@@ -211,7 +211,7 @@ def load_embedding_lm(model_dir: str | os.PathLike, *, dtype: str | torch.dtype 
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from ..lm import _parse_dtype
+    from ..lm import parse_dtype
 
     directory = Path(model_dir).expanduser()
     if not (directory / "config.json").is_file():
@@ -224,7 +224,7 @@ def load_embedding_lm(model_dir: str | os.PathLike, *, dtype: str | torch.dtype 
     if found is None:
         raise ValueError(f"{str(directory)!r} holds no {key!r} in its safetensors files")
     with safe_open(str(files[found]), framework="pt") as handle:
-        weight = handle.get_tensor(found).to(_parse_dtype(dtype))
+        weight = handle.get_tensor(found).to(parse_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
