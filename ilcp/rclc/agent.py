@@ -38,7 +38,7 @@ import torch
 
 from ilcp.checks import check_key, positive_int
 from ilcp.rclc import snapshot as snapshots
-from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
+from ilcp.rclc.runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.backends import resolve_backend
 from ilcp.rclc.message import Delivery
 from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE, ReceiverPlan, RenderedPrompt

@@ -49,7 +49,7 @@ from torch import nn
 
 from ilcp.checks import positive_int
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.runtime import MODEL_LOCK
 from ilcp.rclc.backends import BackendUnavailableError, HFBackend, register_vllm_backend, vllm_version
 from ilcp.rclc.state import SenderState
 from ilcp.engines.build import create_engine
