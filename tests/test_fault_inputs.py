@@ -377,7 +377,7 @@ def test_serve_names_another_lm_by_its_fingerprint_before_reading_any_weights(ti
     """`serve_command` with another LM's directory: the fingerprint is the refusal, even when the
     export's weights file is spoiled too (it was never read); the run's own LM then meets the
     spoiled file, so the export is still read whole before it is served."""
-    from ilcp.engines.served import serve_command
+    from ilcp.engines.serve import serve_command
 
     run = copy_run(tiny_run, tmp_path)
     spoil_weights(run)
@@ -399,7 +399,8 @@ def test_a_served_receiver_names_a_server_of_another_lm_before_reading_any_weigh
     import http.server
     import threading
 
-    from ilcp.engines.served import ModelMismatchError, ServedReceiver, served_model_name, table_digest
+    from ilcp.engines.embedding_table import served_model_name, table_digest
+    from ilcp.engines.served import ModelMismatchError, ServedReceiver
 
     run = copy_run(tiny_run, tmp_path)
     spoil_weights(run)
@@ -473,7 +474,7 @@ def test_eval_names_an_unloadable_lm_of_the_export(tiny_run, tmp_path, capsys):
 def test_the_server_runs_in_the_runs_compute_dtype_unless_told(tiny_run, tiny_lm, tmp_path, capsys):
     """`serve_command`'s ``--dtype``: bfloat16 for a run trained at bf16-mixed, the LM's dtype at
     32-true (the tiny run), what ``dtype=`` / ``--dtype`` say otherwise; a bad name is refused."""
-    from ilcp.engines.served import serve_command, serve_dtype
+    from ilcp.engines.serve import serve_command, serve_dtype
 
     assert serve_dtype({"lm": {"dtype": "float32", "precision": "bf16-mixed"}}) == "bfloat16"
     assert serve_dtype({"lm": {"dtype": "float32", "precision": "32-true"}}) == "float32"

@@ -5,9 +5,9 @@
     pool = create_engine(DIR, pooling=True)  # every token's last-layer state, unnormalised
 
 `ilcp.engines.vllm` (receivers and senders), `ilcp.evaluation.decoders` (eval's engine) and
-`ilcp.rclc.vllm` (``rclc.start_engine``) build their engines here. `check_prefix` is the one
-check of a prefix sent as ``prompt_embeds``, to an engine in this process (`VLLMDecoder`) or to a
-server (`ServedDecoder`). Importing this module imports only the standard library and
+`ilcp.rclc.vllm_engine` (RCLC's ``start_engine``) build their engines here. `check_prefix` is the
+one check of a prefix sent as ``prompt_embeds``, to an engine in this process (`VLLMDecoder`) or
+to a server (`ServedDecoder`). Importing this module imports only the standard library and
 `ilcp.checks`: vLLM is imported when an engine is built, so the light modules (`ilcp.eval_config`,
 `ilcp.rclc`) may import it.
 """

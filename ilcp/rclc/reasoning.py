@@ -18,7 +18,7 @@ import torch
 from ilcp import compat
 from ilcp.lm import mean_token_embedding_norm
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK, run_in_worker
+from ilcp.rclc.runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.state import SenderState
 
 REASONING_CONTEXTS = ("full", "full_with_request", "selected", "selected_with_request")

@@ -25,7 +25,7 @@ from torch import nn
 from ilcp.checks import positive_int, text_input
 from ilcp.rclc import budget as budget_rules
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.runtime import MODEL_LOCK
 from ilcp.rclc.message import Delivery
 
 PLACEMENTS = ("prefix", "in_prompt")

@@ -7,7 +7,7 @@ from torch import nn
 
 from ilcp import compat
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.runtime import MODEL_LOCK
 from ilcp.rclc.state import SenderState
 
 

@@ -32,7 +32,7 @@ import torch
 from ilcp.checks import positive_int
 from ilcp.rclc import budget as budget_rules
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import require_no_running_loop, run_in_worker
+from ilcp.rclc.runtime import require_no_running_loop, run_in_worker
 from ilcp.rclc.message import REPRESENTATIONS, Delivery, Message
 from ilcp.rclc.reasoning import REASONING_CONTEXTS, run_method
 from ilcp.rclc.receiver import ReceiverPlan, RowReceiver

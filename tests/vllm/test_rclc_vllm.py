@@ -11,6 +11,7 @@ import torch
 from ilcp import rclc
 from ilcp.rclc import __main__ as doctor_cli
 from ilcp.rclc import vllm as rclc_vllm
+from ilcp.rclc import vllm_engine, vllm_view
 
 HISTORY_X = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -39,13 +40,13 @@ def _hf_ids(model, inputs) -> list[int]:
 def test_bind_shares_the_engines_resident_weights(tiny_engine, tiny_vllm_lm):
     agent = rclc.bind(tiny_engine, backend="vllm", messages=HISTORY_X)
     assert agent.backend == "vllm" and agent.engine is tiny_engine
-    view, served = agent.model, rclc_vllm.engine_model(tiny_engine)
+    view, served = agent.model, vllm_engine.engine_model(tiny_engine)
     assert view.get_input_embeddings().weight.data_ptr() == served.model.embed_tokens.weight.data_ptr()
     assert view.model.norm.weight.data_ptr() == served.model.norm.weight.data_ptr()
     linears = [m for m in view.modules() if isinstance(m, torch.nn.Linear) and m is not view.lm_head]
     assert not linears, "every linear layer of the view runs the engine's kernel"
-    assert isinstance(view.model.layers[0].self_attn.q_proj, rclc_vllm.EngineLinear)
-    assert rclc_vllm.shared_weight_view(tiny_engine) is view  # one view per engine
+    assert isinstance(view.model.layers[0].self_attn.q_proj, vllm_view.EngineLinear)
+    assert vllm_view.shared_weight_view(tiny_engine) is view  # one view per engine
     ids = torch.tensor([[3, 17, 42, 99, 250, 7]])
     with torch.no_grad():
         ours, theirs = view(input_ids=ids).logits, tiny_vllm_lm.model(input_ids=ids).logits
@@ -139,8 +140,8 @@ def test_capture_helpers_register_once_and_re_prefill(tiny_engine, tiny_vllm_lm)
 
 def test_unsupported_calls_raise_one_clear_error(tiny_engine, tiny_vllm_lm, tiny_engine_without_prompt_embeds,
                                                  tiny_pool_engine):
-    with pytest.raises(rclc.BackendUnavailableError, match=rclc_vllm.CAPTURE_UNSUPPORTED) as info:
-        rclc_vllm.RCCCaptureConnector(None, None)
+    with pytest.raises(rclc.BackendUnavailableError, match=vllm_engine.CAPTURE_UNSUPPORTED) as info:
+        vllm_engine.RCCCaptureConnector(None, None)
     assert "\n" not in str(info.value) and "0.32" in str(info.value)
     ids = torch.tensor([[3, 17, 42]])
     with pytest.raises(ValueError, match="no past_key_values"):

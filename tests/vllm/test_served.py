@@ -18,13 +18,12 @@ from test_parity import CONTEXTS, QUESTIONS, _random_prefixes
 
 from ilcp import rclc
 from ilcp.engines import served as served_module
+from ilcp.engines.embedding_table import EmbeddingTable, load_embedding_lm, table_digest
 from ilcp.engines.served import (
-    EmbeddingTable,
     ModelMismatchError,
     ServedDecoder,
     ServedReceiver,
     ServerError,
-    load_embedding_lm,
 )
 from ilcp.engines.vllm import VLLMDecoder, VLLMReceiver
 from ilcp.handoff import ILCPHandoff
@@ -121,7 +120,7 @@ def served_receiver(server, tiny_vllm_run):
 def test_serve_prints_the_vllm_command_it_runs(server, tiny_vllm_run, tiny_vllm_lm):
     first = next(line for line in server.log.read_text().splitlines() if " -m vllm." in line)
     assert "vllm.entrypoints.openai.api_server" in first and "--enable-prompt-embeds" in first
-    digest = served_module.table_digest(tiny_vllm_lm.model.get_input_embeddings().weight, tiny_vllm_lm.tokenizer)
+    digest = table_digest(tiny_vllm_lm.model.get_input_embeddings().weight, tiny_vllm_lm.tokenizer)
     assert f"--served-model-name ilcp-{tiny_vllm_lm.fingerprint}-{digest}" in first
     assert "--dtype float32" in first and first.endswith("--max-model-len 1024")
 

@@ -64,10 +64,10 @@ def fake_vllm(monkeypatch):
 
 
 def test_every_engine_is_built_by_the_one_factory(fake_vllm):
-    from ilcp.rclc import vllm as rclc_vllm
+    from ilcp.rclc import vllm_engine
 
     engines.create_engine("/models/a", max_model_len=512, seed=3)
-    rclc_vllm.start_engine("/models/b")
+    vllm_engine.start_engine("/models/b")
     assert fake_vllm[0] == {"model": "/models/a", "dtype": "float32", "enforce_eager": True,
                             "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512, "enable_prompt_embeds": True,
                             "seed": 3}

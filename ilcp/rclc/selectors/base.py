@@ -25,7 +25,7 @@ import torch
 
 from ilcp import compat
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.runtime import MODEL_LOCK
 from ilcp.rclc.budget import protected_count
 
 

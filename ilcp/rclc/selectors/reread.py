@@ -9,7 +9,7 @@ import torch
 
 from ilcp.checks import positive_int
 from ilcp.rclc import hf
-from ilcp.rclc._runtime import MODEL_LOCK
+from ilcp.rclc.runtime import MODEL_LOCK
 from ilcp.rclc.selectors.base import (
     AttentionProfile,
     Selector,
