@@ -86,7 +86,7 @@ def test_the_map_reader_sees_imports_at_import_time_and_in_functions():
     now, later = module_imports("ilcp.cli", *known["ilcp.cli"], known)
     assert "ilcp.names" in now and "ilcp.training" in later and "ilcp.training" not in now
     now, _ = module_imports("ilcp.handoff", *known["ilcp.handoff"], known)
-    assert {"ilcp.encoder.pooling", "ilcp.wire.payload", "ilcp.export"} <= now
+    assert {"ilcp.encoder.send", "ilcp.receiver.receive", "ilcp.wire.payload", "ilcp.export"} <= now
 
 
 DEFAULT = re.compile(r"`([a-z_]+)\.([a-z_]+)` \(default `([^`]*)`\)")

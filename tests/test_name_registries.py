@@ -138,7 +138,6 @@ NOT_COPIES = {
     ("ilcp/config_sections.py", "DEFAULT_VARIANTS"): "the training variants trained by default",
     ("ilcp/config_sections.py", "DISTILL_TEACHERS"): "the text readers a distillation teacher can be",
     ("ilcp/export.py", "BASELINES"): "the soft-prompt training variants",
-    ("ilcp/training/handoff_stage.py", "make_memory_source"): "the soft-prompt training variants",
     ("ilcp/evaluation/decoders.py", "THROUGHPUT_METHODS"): "the methods whose decode throughput is measured",
     ("ilcp/evaluation/side_sweeps.py", "LENGTH_METHODS"): "the methods of the context-length sweep",
     ("ilcp/evaluation/side_sweeps.py", "FACTS_COUNT_METHODS"): "the methods of the facts-count sweep",
