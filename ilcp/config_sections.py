@@ -70,6 +70,9 @@ class DataConfig:
                                          "carved out for validation")
     test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
                                    "out for test (eval's split)")
+    allow_split_overlap: bool = _f(False, "file tasks with their own splits: accept test or validation rows whose "
+                                          "contexts are in train (or the same file for two splits); eval's report "
+                                          "then says so")
     heldout_tasks: list = _f([], "single tasks of data.task (a mix) kept out of every training stage (pretraining "
                                  "texts included); the export records them and eval reports them as held out, e.g. "
                                  "[babi:2, babi:3, babi:19]")

@@ -143,15 +143,18 @@ def task_source(name: str) -> str | None:
 
 def split_task_names(text: str) -> list[str]:
     """Task names from a comma-separated list. A file task with one file per split keeps its commas:
-    "babi:2,jsonl:train=a.jsonl,test=b.jsonl" is ["babi:2", "jsonl:train=a.jsonl,test=b.jsonl"]."""
+    "babi:2,jsonl:train=a.jsonl,test=b.jsonl" is ["babi:2", "jsonl:train=a.jsonl,test=b.jsonl"]; so
+    does a file task's path: after a file task, a part that is no task name continues it
+    ("jsonl:my,notes.jsonl" is one task)."""
     import re
 
     names: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if names and re.match(r"(train|validation|test)=", part) and task_source(names[-1]) == "files":
-            names[-1] += "," + part
+        if names and task_source(names[-1]) == "files" and (re.match(r"(train|validation|test)=", part)
+                                                             or task_source(part) is None):
+            names[-1] += "," + part  # a per-split file, or the rest of a path that holds a comma
         else:
             names.append(part)
     return names

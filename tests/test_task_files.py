@@ -627,6 +627,8 @@ def test_a_run_trains_and_evaluates_on_a_file_of_its_own(tmp_path, tiny_lm):
     mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    other_train = tmp_path / "other-train.jsonl"  # its own train file: splits given apart share no context
+    other_train.write_text("".join(json.dumps(r) + "\n" for r in rows[5:10]))
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"out_dir={tmp_path / 'runs'}", f"data.task=jsonl:{mine}", "data.columns.context=passage",
         "data.columns.answer=gold", "data.test_fraction=0.2", "run_name=mine"])
@@ -635,12 +637,12 @@ def test_a_run_trains_and_evaluates_on_a_file_of_its_own(tmp_path, tiny_lm):
     assert config["task"] == f"jsonl:{mine}"
     assert config["task_settings"]["columns"] == {"context": "passage", "answer": "gold"}
     assert config["task_settings"]["test_fraction"] == 0.2
-    results = evaluate(result.run_dir, lm=tiny_lm, tasks=[f"jsonl:test={other},train={other}"], limit=None,
+    results = evaluate(result.run_dir, lm=tiny_lm, tasks=[f"jsonl:test={other},train={other_train}"], limit=None,
                        latency_n=0, lengths=[], methods=["no_context", "cold_read"])
     test = load_task(f"jsonl:{mine}", "test", columns={"context": "passage", "answer": "gold"}, test_fraction=0.2)
     own = results["tasks"][f"jsonl:{mine}"]
     assert own["seen_in_training"] and own["n"] == len(test) == 12  # 12 of 60 contexts carved for test
     for method in own["methods"].values():
         assert method["scoring"] == "squad" and len(method["f1_ci"]) == 2
-    held_out = results["tasks"][f"jsonl:train={other},test={other}"]
+    held_out = results["tasks"][f"jsonl:train={other_train},test={other}"]
     assert not held_out["seen_in_training"] and held_out["n"] == 5

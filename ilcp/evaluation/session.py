@@ -217,6 +217,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
     limit = lm.context_limit
     sender_limit = handoff.max_length if handoff is not None else limit
     task_context = EvalTaskContext(tokenizer=lm.tokenizer, max_tokens=limit if sender_limit >= limit else None,
+                                   text_limit=limit,
                                    task_settings=dict(run_config.get("task_settings") or {}),
                                    facts_settings=facts_settings, train_task=run_config["task"])
     return EvalSession(config=config, ckpt=ckpt, run_config=run_config, lm=lm, precision=precision, handoff=handoff,

@@ -285,9 +285,11 @@ def answer_loss_and_greedy(
         (the mean cross-entropy over every target token, a float32 scalar; the answers as
         `greedy_decode` returns them).
     """
-    _check_decode_args(prefixes, max_new_tokens, 1)
+    if isinstance(prefixes, torch.Tensor) or not isinstance(prefixes, Sequence):
+        raise ValueError("prefixes must be a list of (L_i, H) tensors")
     if len(targets) != len(prefixes) or not all(len(t) > 0 for t in targets):
         raise ValueError("give one non-empty list of target ids per prefix")
+    _check_decode_args(model, prefixes, max(max_new_tokens, max(len(t) for t in targets)), 1)
     embed = _embedding(model)
     device, dtype = embed.weight.device, embed.weight.dtype
     with torch.no_grad():
@@ -323,11 +325,18 @@ def answer_loss_and_greedy(
     return loss, [decoded_answer(tokenizer, row, stop_at_newline) for row in ids]
 
 
-def _check_decode_args(prefixes, max_new_tokens, batch_size):
+def _check_decode_args(model, prefixes, max_new_tokens, batch_size):
+    """Refuse what no decode can run, before anything is allocated: not a list of (L_i, H)
+    prefixes, a bad count, or a prompt that with ``max_new_tokens`` exceeds the model's positions."""
     if isinstance(prefixes, torch.Tensor) or not isinstance(prefixes, Sequence):
         raise ValueError("prefixes must be a list of (L_i, H) tensors")
     positive_int("max_new_tokens", max_new_tokens)
     positive_int("batch_size", batch_size)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max((int(p.shape[0]) for p in prefixes if isinstance(p, torch.Tensor) and p.dim() >= 1), default=0)
+    if limit and longest + max_new_tokens > limit:
+        raise ValueError(f"a prompt of {longest:,} positions plus {max_new_tokens} new tokens exceeds this LM's "
+                         f"context of {limit:,} positions: shorten the question or the context")
 
 
 def greedy_decode_ids(
@@ -340,7 +349,7 @@ def greedy_decode_ids(
     stop_at_newline: bool = False,
 ) -> list[list[int]]:
     """The answer token ids behind `greedy_decode` (stop tokens excluded), one list per prefix."""
-    _check_decode_args(prefixes, max_new_tokens, batch_size)
+    _check_decode_args(model, prefixes, max_new_tokens, batch_size)
     stops = stop_token_ids(model, tokenizer)
     ids: list[list[int]] = []
     with torch.inference_mode():
@@ -390,7 +399,7 @@ def decode_one(
     On CUDA the model's device is synchronised before the clock starts; reading the first token back
     synchronises it again, so ``prefill_s`` is a real time to first token.
     """
-    _check_decode_args([prefix], max_new_tokens, 1)
+    _check_decode_args(model, [prefix], max_new_tokens, 1)
     stops = stop_token_ids(model, tokenizer)
     with torch.inference_mode():
         device = _embedding(model).weight.device

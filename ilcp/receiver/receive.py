@@ -34,7 +34,12 @@ from .decoding import greedy_decode
 from .prefix import receiver_prefix
 from .prompts import reconstruction_prompt
 
-__all__ = ["Receiver", "answers_by_request"]
+__all__ = ["MAX_RECEIVE_CHARACTERS", "Receiver", "answers_by_request"]
+
+# Characters of all the questions of one receive together, checked before any is tokenised (each
+# alone is bounded by the LM's positions, `ilcp.checks.text_input`): 1 MiB, as many questions as
+# a long batch asks, far below what would exhaust memory.
+MAX_RECEIVE_CHARACTERS = 1 << 20
 
 
 def answers_by_request(answers: Sequence[str], shapes: Sequence[tuple[bool, int]]) -> list[str | list[str]]:
@@ -280,7 +285,8 @@ class Receiver:
             PayloadError: invalid or foreign payload, or one that holds another number of
                 latents than questions were given (refused before anything is projected).
             ValueError: a question that is not a string, empty, not valid Unicode, or longer
-                than the LM's context could hold (refused before it is tokenised).
+                than the LM's context could hold; questions of more than
+                `MAX_RECEIVE_CHARACTERS` characters together (all refused before any is tokenised).
         """
         single = isinstance(question, str)
         if not single and (not isinstance(question, Sequence) or isinstance(question, (bytes, bytearray))):
@@ -291,6 +297,11 @@ class Receiver:
             raise ValueError("question must be a string or a non-empty list of strings")
         if any(not q.strip() for q in questions):
             raise ValueError("a question must not be empty")
+        total = sum(len(q) for q in questions)
+        if total > MAX_RECEIVE_CHARACTERS:
+            raise ValueError(f"these {len(questions)} questions hold {total:,} characters together, more than "
+                             f"{MAX_RECEIVE_CHARACTERS:,} (ilcp.receiver.receive.MAX_RECEIVE_CHARACTERS): ask them in "
+                             "several calls")
         for i, q in enumerate(questions):
             text_input("the question" if single else f"question {i}", q, self.lm.max_positions)
         positive_int("max_new_tokens", max_new_tokens)

@@ -335,7 +335,8 @@ class BabiTask(Task):
             del key["validation_fraction"], key["seed"]
         return key
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         return {"variant": data.babi_variant, "limit": size, "seed": data.seed}
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:

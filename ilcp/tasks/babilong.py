@@ -148,7 +148,8 @@ class BabilongTaskEntry(Task):
     def stories(self, split: str, **kwargs) -> list[list[str]]:
         return babilong_stories(self.name, split, **kwargs)
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         return {"variant": data.babi_variant, "limit": size, "seed": data.seed, "tokenizer": tokenizer}
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:

@@ -62,7 +62,7 @@ def round_robin(groups: Sequence[Sequence]) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _sha256_cached(path: str, mtime_ns: int, size: int) -> str:
+def _sha256_cached(path: str, inode: int, mtime_ns: int, ctime_ns: int, size: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -71,9 +71,11 @@ def _sha256_cached(path: str, mtime_ns: int, size: int) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """The first 16 hex characters of the sha256 of a file's content (cached by mtime and size)."""
+    """The first 16 hex characters of the sha256 of a file's content, cached by the file's inode,
+    size and modification and change times: a rewrite whose modification time is restored (``cp
+    -p``, ``rsync -t``) still changes its change time, which no user call can set back."""
     stat = path.stat()
-    return _sha256_cached(str(path), stat.st_mtime_ns, stat.st_size)
+    return _sha256_cached(str(path), stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
 
 
 def source_key(path: Path) -> tuple[str, str]:

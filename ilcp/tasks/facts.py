@@ -332,7 +332,8 @@ class FactsTask(Task):
             key["value_split_version"] = FACTS_VALUE_SPLIT_VERSION
         return {"task": "facts", **key}
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         kwargs = {"n_examples": size, "n_facts": data.facts_n_facts, "n_distractors": data.facts_n_distractors,
                   "seed": data.seed}
         if data.facts_value_split is not None:

@@ -20,29 +20,29 @@ train the same way.
 Bad input raises `TaskFormatError` (a ValueError) in one line naming the file, and the line where
 the format has lines (JSON Lines, CSV): a missing file, missing columns (the columns found are
 listed), an empty or non-string field, a split with no rows, a context longer than ``max_tokens``
-tokens of the LM (pass ``max_tokens=None`` where the sender cuts long contexts and counts them).
+tokens of the LM (pass ``max_tokens=None`` where the sender cuts long contexts and counts them),
+a question or answer longer than ``text_limit`` tokens (refused by its characters first, before it
+is tokenised), an id given twice, the same row twice, and splits given apart that share contexts
+or a file (``allow_overlap=True``, ``data.allow_split_overlap``, accepts the last, and eval's report
+says so).
 
 The cache key (`file_config_key`) hashes the files' content, not their paths.
 """
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
-from ..datadir import default_cache_dir
-from ..io import atomic_write_text
+from ..checks import text_length
 from .base import SPLITS, TaskFormatError, check_fraction, check_limit, check_split, file_sha256, to_dataset
+from .file_reading import Row, check_exists, read_file, rows_of
 from .registry import EvalTaskContext, EvalRows, Task, register_task
 
-FORMATS = {"jsonl": "json", "csv": "csv", "parquet": "parquet", "disk": None}
 REQUIRED = ("context", "question", "answer")
 OPTIONAL = ("id",)
 # Bump when the same files and settings would give other rows.
@@ -90,155 +90,6 @@ def parse_file_name(name: str) -> FileSource:
     return FileSource(fmt, (("all", Path(spec)),))
 
 
-# ------------------------------------------------------------------------------------- reading
-
-@contextlib.contextmanager
-def _quiet():
-    """No progress bars or info logs from `datasets` while a small file is read."""
-    bars = datasets.is_progress_bar_enabled()
-    level = datasets.logging.get_verbosity()
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(level)
-        if bars:
-            datasets.enable_progress_bars()
-
-
-def _check_exists(fmt: str, path: Path) -> None:
-    if fmt == "disk":
-        if not path.is_dir():
-            raise TaskFormatError(f"{path}: no such folder (disk: reads a folder written by datasets' save_to_disk)")
-    elif not path.is_file():
-        raise TaskFormatError(f"{path}: no such file" + (" (it is a folder)" if path.is_dir() else ""))
-
-
-def _read(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datasets.Dataset | datasets.DatasetDict:
-    """The file's rows through `datasets`; a reading error is one line naming the file.
-
-    CSV fields are read as text, never as numbers or missing values ("3e-4" stays "3e-4"). In JSON
-    Lines a column that holds strings on some lines and lists on others (``list_columns``: the
-    answer column) would make pyarrow give up and pandas guess types (turning "3e-4" into a
-    float), so such a file is read with every value of those columns as a list."""
-    _check_exists(fmt, path)
-    try:
-        with _quiet():
-            if fmt == "disk":
-                return datasets.load_from_disk(str(path))
-            if fmt == "csv":
-                text = datasets.Features({name: datasets.Value("string") for name in _csv_header(path)})
-                return datasets.load_dataset("csv", data_files=str(path), split="train", features=text,
-                                             na_filter=False)
-            if fmt == "jsonl" and _mixed_json_columns(path, list_columns):
-                path = _listed_json(path, list_columns)
-            return datasets.load_dataset(FORMATS[fmt], data_files=str(path), split="train")
-    except TaskFormatError:
-        raise
-    except Exception as e:  # noqa: BLE001  datasets / pyarrow raise many kinds for a malformed file
-        raise TaskFormatError(_read_error(fmt, path, e)) from None
-
-
-def _csv_header(path: Path) -> list[str]:
-    """The column names of a CSV file's first record (so every column is read as text)."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
-        header = next(csv.reader(handle), None)
-    if not header:
-        raise TaskFormatError(f"{path}: empty, or no header line")
-    return header
-
-
-def _json_lines(path: Path):
-    """(line number, object) of each non-blank line; TaskFormatError at the first bad one."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                raise TaskFormatError(f"{path}, line {number}: not a JSON object ({e})") from None
-            if not isinstance(value, dict):
-                raise TaskFormatError(f"{path}, line {number}: not a JSON object (got {type(value).__name__})")
-            yield number, value
-
-
-def _mixed_json_columns(path: Path, columns: tuple[str, ...]) -> bool:
-    """Whether any of ``columns`` holds a list on one line and something else on another."""
-    kinds = {column: set() for column in columns}
-    for _, value in _json_lines(path):
-        for column in columns:
-            if column in value:
-                kinds[column].add(isinstance(value[column], list))
-    return any(len(k) > 1 for k in kinds.values())
-
-
-def _listed_json(path: Path, columns: tuple[str, ...]) -> Path:
-    """A copy of a JSON Lines file, line for line (blank lines kept, so line numbers hold), with each
-    string of ``columns`` wrapped in a list. Kept in the cache under the source's content hash, so
-    `datasets` reuses its own cache of it."""
-    out = default_cache_dir() / "tasks" / f"{file_sha256(path)}-{'-'.join(columns)}" / path.name
-    if out.is_file():
-        return out
-    lines = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if not line.strip():
-                lines.append("\n")
-                continue
-            value = json.loads(line)
-            for column in columns:
-                if isinstance(value.get(column), str):
-                    value[column] = [value[column]]
-            lines.append(json.dumps(value, ensure_ascii=False) + "\n")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, "".join(lines))
-    return out
-
-
-def _read_error(fmt: str, path: Path, error: Exception) -> str:
-    if fmt == "jsonl":
-        for _ in _json_lines(path):  # TaskFormatError at the first line that is not a JSON object
-            pass
-    cause = error.__cause__ or error.__context__ or error
-    what = " ".join(str(cause).split())[:200] or type(cause).__name__
-    kind = {"disk": "a folder written by datasets' save_to_disk", "jsonl": "JSON Lines", "csv": "CSV",
-            "parquet": "Parquet"}[fmt]
-    return f"{path}: not readable as {kind}: {what}"
-
-
-def _line_numbers(fmt: str, path: Path, n_rows: int) -> list[int] | None:
-    """The line on which each row starts, for formats that have lines (None otherwise)."""
-    if fmt == "jsonl":
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            lines = [number for number, line in enumerate(handle, start=1) if line.strip()]
-    elif fmt == "csv":
-        with open(path, encoding="utf-8", errors="replace", newline="") as handle:
-            reader = csv.reader(handle)
-            lines, start = [], 1
-            for i, record in enumerate(reader):
-                if i > 0 and any(field.strip() for field in record):
-                    lines.append(start)
-                start = reader.line_num + 1
-    else:
-        return None
-    return lines if len(lines) == n_rows else None
-
-
-@dataclass
-class _Row:
-    values: dict
-    where: str  # "FILE, line N" or "FILE, row N": where an error points
-
-
-def _rows_of(fmt: str, path: Path, ds: datasets.Dataset, label: str) -> list[_Row]:
-    lines = _line_numbers(fmt, path, len(ds))
-    where = ([f"{label}, line {n}" for n in lines] if lines is not None
-             else [f"{label}, row {i + 1}" for i in range(len(ds))])
-    return [_Row(values, w) for values, w in zip(ds.to_list(), where)]
-
-
 # ------------------------------------------------------------------------------------ checking
 
 def _map_columns(found: list[str], columns: dict, label: str) -> dict:
@@ -278,7 +129,7 @@ def _answers(value, field: str, where: str) -> list[str]:
     raise TaskFormatError(f"{where}: {field} must be a string or a list of strings, got {_kind(value)}")
 
 
-def _standard(row: _Row, mapping: dict, task: str, split: str, index: int, stem: str) -> dict:
+def _standard(row: Row, mapping: dict, task: str, split: str, index: int, stem: str) -> dict:
     v = row.values
     answers = _answers(v[mapping["answer"]], mapping["answer"], row.where)
     if "id" in mapping and v[mapping["id"]] is not None:
@@ -293,7 +144,7 @@ def _standard(row: _Row, mapping: dict, task: str, split: str, index: int, stem:
             "answer": answers[0], "answers": answers}
 
 
-def _carve(rows: list[tuple[dict, _Row]], validation_fraction: float, test_fraction: float,
+def _carve(rows: list[tuple[dict, Row]], validation_fraction: float, test_fraction: float,
            seed: int) -> dict[str, list]:
     """train / validation / test by whole contexts: the distinct contexts ranked by a seeded hash,
     the first ``test_fraction`` of them test, the next ``validation_fraction`` validation."""
@@ -314,11 +165,14 @@ def _carve(rows: list[tuple[dict, _Row]], validation_fraction: float, test_fract
 
 def load_files(name: str, split: str, *, columns: dict | None = None, validation_fraction: float = 0.1,
                test_fraction: float = 0.1, seed: int = 0, limit: int | None = None, tokenizer=None,
-               max_tokens: int | None = None) -> datasets.Dataset:
+               max_tokens: int | None = None, text_limit: int | None = None,
+               allow_overlap: bool = False) -> datasets.Dataset:
     """Rows (``ilcp.tasks.TASK_COLUMNS``) of a file task's split; see the module docstring.
 
     ``tokenizer`` and ``max_tokens``: with both, a context longer than ``max_tokens`` tokens is an
-    error naming its file and line. ``limit`` keeps the first N rows of the split.
+    error naming its file and line; ``text_limit``: the same for a question or an answer (by its
+    characters without a tokenizer). ``limit`` keeps the first N rows of the split.
+    ``allow_overlap``: accept given splits that share contexts or a file.
     """
     check_split(split)
     check_limit(limit)
@@ -329,7 +183,7 @@ def load_files(name: str, split: str, *, columns: dict | None = None, validation
     columns = dict(columns or {})
     source = parse_file_name(name)
     task = source.name
-    by_split = _split_rows(source, columns, task, validation_fraction, test_fraction, seed)
+    by_split = _split_rows(source, columns, task, validation_fraction, test_fraction, seed, allow_overlap)
     chosen = by_split[split]
     if not chosen:
         origin = ", ".join(str(p) for _, p in source.paths)
@@ -337,6 +191,10 @@ def load_files(name: str, split: str, *, columns: dict | None = None, validation
                               + (" (carved by fraction: give more rows or a larger fraction)" if split != "train" else ""))
     if limit is not None:
         chosen = chosen[:limit]
+    if text_limit is not None:
+        for row, raw in chosen:
+            for field, text in [("question", row["question"])] + [("answer", a) for a in row["answers"]]:
+                _check_text_tokens(raw.where, field, text, tokenizer, text_limit)
     if tokenizer is not None and max_tokens is not None:
         for row, raw in chosen:
             n = len(tokenizer.encode(row["context"], add_special_tokens=False))
@@ -347,13 +205,66 @@ def load_files(name: str, split: str, *, columns: dict | None = None, validation
     return to_dataset([row for row, _ in chosen])
 
 
+def _check_text_tokens(where: str, field: str, text: str, tokenizer, limit: int) -> None:
+    """A question or answer within the LM's `limit` tokens: by its characters first (so a huge one
+    is refused before it is tokenised), then by its tokens when there is a tokenizer."""
+    try:
+        text_length(f"the {field}", len(text), limit)
+    except ValueError as e:
+        raise TaskFormatError(f"{where}: {e}") from None
+    if tokenizer is not None:
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        if n > limit:
+            raise TaskFormatError(f"{where}: the {field} is {n:,} tokens, longer than the LM's limit of {limit:,}; "
+                                  "shorten it")
+
+
+def _check_unique(rows: list[tuple[dict, Row]], has_ids: bool) -> None:
+    """Refuse an id given twice (answers are joined back to rows by id) and a row given twice."""
+    seen_ids: dict[str, str] = {}
+    seen_rows: dict[tuple, str] = {}
+    for row, raw in rows:
+        if has_ids:
+            if row["id"] in seen_ids:
+                raise TaskFormatError(f"{raw.where}: id {row['id']!r} is also the id of {seen_ids[row['id']]}: ids must "
+                                      "be unique (eval joins each answer back to its row by id)")
+            seen_ids[row["id"]] = raw.where
+        key = (row["context"], row["question"], tuple(row["answers"]))
+        if key in seen_rows:
+            raise TaskFormatError(f"{raw.where}: the same row (context, question and answer) as {seen_rows[key]}: "
+                                  "remove the copy")
+        seen_rows[key] = raw.where
+
+
+def _check_apart(source: FileSource, given: dict[str, list[tuple[dict, Row]]]) -> None:
+    """Refuse given splits that share a file or contexts with train (evaluation would score rows
+    the run trained on)."""
+    files: dict[tuple, str] = {}
+    for split, path in source.paths:
+        same = _content_hash(source.fmt, path)
+        if same in files:
+            raise TaskFormatError(f"{path}: the {split} file holds the same rows as the {files[same]} file; give "
+                                  "splits apart, drop the per-split names to carve splits, or set "
+                                  "data.allow_split_overlap=true to accept it")
+        files[same] = split
+    train = {row["context"] for row, _ in given.get("train", [])}
+    for split in ("validation", "test"):
+        shared = [raw for row, raw in given.get(split, []) if row["context"] in train]
+        if shared:
+            raise TaskFormatError(f"{shared[0].where}: this {split} row's context is also in train ({len(shared)} "
+                                  f"{split} row(s) share a context with train); give splits apart, drop the per-split "
+                                  "names to carve splits, or set data.allow_split_overlap=true to accept it")
+
+
 def _split_rows(source: FileSource, columns: dict, task: str, validation_fraction: float,
-                test_fraction: float, seed: int) -> dict[str, list[tuple[dict, _Row]]]:
-    """Every split's standard rows, each with where it came from."""
-    given: dict[str, list[tuple[dict, _Row]]] = {}
+                test_fraction: float, seed: int, allow_overlap: bool = False) -> dict[str, list[tuple[dict, Row]]]:
+    """Every split's standard rows, each with where it came from; ids and rows checked unique, and
+    given splits apart (unless ``allow_overlap``)."""
+    given: dict[str, list[tuple[dict, Row]]] = {}
+    has_ids = False
     stem = source.paths[0][1].stem or "row"
     for part, path in source.paths:
-        data = _read(source.fmt, path, (columns.get("answer", "answer"),))
+        data = read_file(source.fmt, path, (columns.get("answer", "answer"),))
         label = str(path)
         if isinstance(data, datasets.DatasetDict):
             unknown = [s for s in data if s not in SPLITS]
@@ -365,7 +276,8 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
             parts = {part: data}
         for split_name, ds in parts.items():
             mapping = _map_columns(list(ds.column_names), columns, label)
-            for raw in _rows_of(source.fmt, path, ds, label):
+            has_ids = has_ids or "id" in mapping
+            for raw in rows_of(source.fmt, path, ds, label):
                 target = split_name
                 if split_name == "all" and "split" in ds.column_names:
                     target = raw.values["split"]
@@ -374,6 +286,9 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
                                               f"got {_kind(target)}")
                 rows = given.setdefault(target, [])
                 rows.append((_standard(raw, mapping, task, target, len(rows), stem), raw))
+    _check_unique([pair for rows in given.values() for pair in rows], has_ids)
+    if not allow_overlap and not set(given) <= {"all"}:
+        _check_apart(source, given)
     if set(given) <= {"all"}:  # nothing says which row is which split
         return _carve(given.get("all", []), validation_fraction, test_fraction, seed)
     if "train" not in given:
@@ -391,7 +306,7 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
 
 
 def _content_hash(fmt: str, path: Path) -> str:
-    _check_exists(fmt, path)
+    check_exists(fmt, path)
     if fmt != "disk":
         return file_sha256(path)
     digest = hashlib.sha256()
@@ -429,27 +344,35 @@ class FileTask(Task):
     def config_key(self, split: str, **kwargs) -> dict:
         return file_config_key(self.name, split, **kwargs)
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         return {"columns": dict(data.columns), "validation_fraction": data.validation_fraction,
                 "test_fraction": data.test_fraction, "seed": data.seed, "limit": size, "tokenizer": tokenizer,
-                "max_tokens": max_tokens}
+                "max_tokens": max_tokens, "text_limit": text_limit, "allow_overlap": data.allow_split_overlap}
 
     def task_settings(self, data) -> dict:
-        return {"columns": dict(data.columns), "validation_fraction": data.validation_fraction,
-                "test_fraction": data.test_fraction}
+        settings = {"columns": dict(data.columns), "validation_fraction": data.validation_fraction,
+                    "test_fraction": data.test_fraction}
+        if data.allow_split_overlap:  # recorded only when set, so other exports read as before
+            settings["allow_split_overlap"] = True
+        return settings
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
         """The test split, carved with the run's split settings (config.json ``task_settings``) and
         read with its column names (``columns``)."""
         s = context.task_settings
+        overlap = bool(s.get("allow_split_overlap", False))
         rows = self.load("test", columns=s.get("columns") or {}, validation_fraction=s.get("validation_fraction", 0.1),
                          test_fraction=s.get("test_fraction", 0.1), seed=s.get("seed", 0), tokenizer=context.tokenizer,
-                         max_tokens=context.max_tokens).to_list()
-        return EvalRows(rows if limit is None else rows[:limit], len(rows), f"{self.name}, test split")
+                         max_tokens=context.max_tokens, text_limit=context.text_limit,
+                         allow_overlap=overlap).to_list()
+        what = f"{self.name}, test split" + (" (its contexts may also be in train: the run set "
+                                             "data.allow_split_overlap=true)" if overlap else "")
+        return EvalRows(rows if limit is None else rows[:limit], len(rows), what)
 
     def check_evaluable(self) -> None:
         for _, path in self.source.paths:
-            _check_exists(self.source.fmt, path)
+            check_exists(self.source.fmt, path)
 
     def check_trainable(self) -> None:
         self.check_evaluable()

@@ -54,9 +54,10 @@ class MixTask(Task):
         return {"mix": [part.config_key(split, **dict((parts or {}).get(part.name, {}))) for part in self._parts],
                 "split": split, "limit": limit, "order": "round_robin"}
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         each = math.ceil(size / len(self._parts))
-        return {"limit": size, "parts": {p.name: p.training_kwargs(data, each, tokenizer, max_tokens)
+        return {"limit": size, "parts": {p.name: p.training_kwargs(data, each, tokenizer, max_tokens, text_limit=text_limit)
                                          for p in self._parts}}
 
     def task_settings(self, data) -> dict:

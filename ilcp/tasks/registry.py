@@ -25,13 +25,14 @@ from .base import check_split
 
 @dataclass(frozen=True)
 class EvalTaskContext:
-    """What eval knows when it builds a task's test rows: the LM's tokenizer and token limit (None
-    where the sender cuts long contexts), the run's recorded task settings (config.json
+    """What eval knows when it builds a task's test rows: the LM's tokenizer and token limit for a
+    context (None where the sender cuts long contexts) and for a question or answer, the run's recorded task settings (config.json
     ``task_settings``) and facts settings (`ilcp.evaluation.run.run_facts_settings`), and the
     training task's name."""
 
     tokenizer: object = None
     max_tokens: int | None = None
+    text_limit: int | None = None  # the LM's positions: no question or answer may be longer
     task_settings: dict = field(default_factory=dict)
     facts_settings: dict | None = None
     train_task: str | None = None
@@ -63,7 +64,8 @@ class Task:
     def config_key(self, split: str, **kwargs) -> dict:
         raise NotImplementedError
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         """`load` arguments for a training split of ``size`` rows (``data``: `ilcp.config_sections.DataConfig`)."""
         return {"limit": size}
 

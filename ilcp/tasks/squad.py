@@ -44,7 +44,8 @@ class SquadTask(FileTask):
         kwargs.pop("columns", None)
         return {**file_config_key(squad_name(), split, **kwargs), "task": "squad"}
 
-    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+    def training_kwargs(self, data, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                        text_limit: int | None = None) -> dict:
         return {"limit": size, "tokenizer": tokenizer, "max_tokens": max_tokens}
 
     def task_settings(self, data) -> dict:

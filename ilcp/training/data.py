@@ -37,19 +37,23 @@ def training_task(cfg: TrainConfig) -> Task:
     return held_out(resolve_task(cfg.data.task), cfg.data.heldout_tasks)
 
 
-def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None) -> dict:
+def task_kwargs(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None, *,
+                text_limit: int | None = None) -> dict:
     """Arguments of the training task's loader for a split of ``size`` rows (the task's own
     `ilcp.tasks.Task.training_kwargs`): ``tokenizer`` (the LM's) for the tasks that count tokens,
-    ``max_tokens`` for those that refuse a context longer than the LM's limit."""
-    return training_task(cfg).training_kwargs(cfg.data, size, tokenizer, max_tokens)
+    ``max_tokens`` for those that refuse a context longer than the LM's limit, ``text_limit`` (the
+    LM's positions) for those that refuse a longer question or answer (a user's files)."""
+    return training_task(cfg).training_kwargs(cfg.data, size, tokenizer, max_tokens, text_limit=text_limit)
 
 
-def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None):
+def load_rows(cfg: TrainConfig, split: str, size: int, tokenizer=None, max_tokens: int | None = None, *,
+              text_limit: int | None = None):
     """(rows as a list of dicts, task key for the cache) of the configured task; ``tokenizer``:
-    the LM's; ``max_tokens``: the LM's limit where contexts must fit it whole (no configured cut)."""
+    the LM's; ``max_tokens``: the LM's limit where contexts must fit it whole (no configured cut);
+    ``text_limit``: the LM's limit, which no question or answer may exceed."""
     task = training_task(cfg)
     task.check_trainable()
-    kwargs = task_kwargs(cfg, split, size, tokenizer, max_tokens)
+    kwargs = task_kwargs(cfg, split, size, tokenizer, max_tokens, text_limit=text_limit)
     ds = task.load(split, **kwargs)
     return ds.to_list(), task.config_key(split, **kwargs)
 
@@ -265,7 +269,7 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     limit = lm.context_limit
     max_tokens = limit if max_length >= limit else None  # no configured cut: a context must fit the LM
     for split, size in (("train", cfg.data.train_size), ("validation", cfg.data.val_size)):
-        rows, key = load_rows(cfg, split, size, lm.tokenizer, max_tokens)
+        rows, key = load_rows(cfg, split, size, lm.tokenizer, max_tokens, text_limit=limit)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
         if "ilcp" not in cfg.handoff.variants or c.pooling == "slots":
