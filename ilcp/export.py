@@ -33,9 +33,12 @@ Only trained modules are written, never the frozen LM. Every file is written ato
 config.json last, so a directory with a config.json holds a complete export. Reading never
 unpickles (safetensors only), and `check_fingerprint` refuses an export made for another LM.
 
-Integrity. config.json records the sha256 of every weights file (``digests``). Without a key the
-digests protect against accidents (a truncated copy, a flipped bit, a file from another run),
-not against edits: whoever can change a weights file can write its new sha256 into config.json.
+Integrity. config.json records the sha256 of every weights file (``digests``) and of its own
+other entries (``config_digest``, checked before anything else is read: an edited setting is
+refused in one line). Without a key the digests protect against accidents (a truncated copy, a
+flipped bit, a hand edit, a file from another run), not against deliberate edits: whoever can
+change a file can write its new sha256 into config.json. An export written before config.json
+had its digest still reads, with one warning.
 With a key (``key=`` of `export_run`, `save_encoder`, `read_export`; `sign_export` for an export
 already written), config.json also carries ``signature``, an HMAC-SHA256 under the key of
 config.json itself (every entry but the signature, canonical JSON), digests included; a reader
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,8 +63,9 @@ from torch import Tensor
 from .encoder.model import ConstantMemory, ILCPEncoder, MemorySource
 from .encoder.spec import EncoderSpec, ExportError
 from .lm import LM, LMLoadError, load_lm
-from .export_integrity import check_signature, file_digest, sign_config
+from .export_integrity import CONFIG_DIGEST, SIGNATURE, check_config_digest, check_signature, file_digest, seal_config
 from .io import atomic_write_json, file_kind
+from .names import PRECISIONS
 from .encoder.kinds import config_value
 
 EXPORT_FORMAT = "ilcp-export"
@@ -183,7 +188,7 @@ def sign_export(path: str | Path, key: bytes) -> Path:
     config.json gains its ``signature`` under `key`, written atomically. Returns the directory."""
     path = Path(path)
     run = read_export(path)
-    atomic_write_json(path / CONFIG_FILE, sign_config(run.config, key))
+    atomic_write_json(path / CONFIG_FILE, seal_config(run.config, key))
     return path
 
 
@@ -292,10 +297,27 @@ def read_config(path: str | Path, key: bytes | None = None) -> dict:
         raise ExportError(f"{cfg_path} is not an ilcp export (format {config.get('format')!r})")
     if config.get("format_version") != EXPORT_VERSION:
         raise ExportError(f"{cfg_path} has export format version {config.get('format_version')}, this package reads {EXPORT_VERSION}")
+    digested = check_config_digest(config, cfg_path)
     _check_schema(config, cfg_path)
     if key is not None:
         check_signature(config, key, cfg_path)
+    elif SIGNATURE in config:
+        _say_once(cfg_path, f"{cfg_path} is signed, but no key was given: its signature is not verified (pass the "
+                            "key it was signed with to verify it)")
+    if not digested:
+        _say_once(cfg_path, f"{cfg_path} carries no config_digest (written before exports had one): an edit of its "
+                            "settings would not be noticed; export it again to add one")
     return config
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_once(where: Path, message: str) -> None:
+    """One warning per export and message in a process (eval reads an export more than once)."""
+    if (str(where), message) not in _SAID:
+        _SAID.add((str(where), message))
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _field(config: dict, dotted: str, kind, where: Path, *, minimum=None, required: bool = True):
@@ -305,11 +327,24 @@ def _field(config: dict, dotted: str, kind, where: Path, *, minimum=None, requir
         raise ExportError(f"{where}: {e}") from None
 
 
+# config.json's own top-level entries (beside the encoder's, `EncoderSpec.config_keys`)
+RUN_ENTRIES = frozenset({"format", "format_version", "package_version", "lm", "num_memory_tokens", "task",
+                         "heldout_tasks", "task_settings", "files", "digests", "train_config", "metrics", SIGNATURE,
+                         CONFIG_DIGEST})
+
+
 def _check_schema(config: dict, where: Path) -> None:
+    unknown = sorted(set(config) - RUN_ENTRIES - EncoderSpec.config_keys())
+    if unknown:
+        raise ExportError(f"{where}: unknown entry {unknown[0]!r} (this package writes no such entry: the file is "
+                          "damaged or was edited)")
     _field(config, "lm", dict, where)
     _field(config, "lm.spec", str, where)
     _field(config, "lm.fingerprint", str, where)
     _field(config, "lm.dtype", str, where, required=False)
+    precision = _field(config, "lm.precision", str, where, required=False)
+    if precision is not None and precision not in PRECISIONS:
+        raise ExportError(f"{where}: lm.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     _field(config, "lm.hidden_size", int, where, minimum=1)
     files = _field(config, "files", dict, where)
     for name, fname in files.items():

@@ -1,6 +1,7 @@
 """The integrity of an export's config.json: the sha256 digest of each weights file
-(`file_digest`), and the HMAC-SHA256 signature under a key of config.json itself (`sign_config`,
-`check_signature`); see `ilcp.export` for what each protects against.
+(`file_digest`), the sha256 of config.json's own entries (`config_digest`, `seal_config`,
+`check_config_digest`), and the HMAC-SHA256 signature under a key of config.json itself
+(`sign_config`, `check_signature`); see `ilcp.export` for what each protects against.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .checks import check_key
 from .encoder.spec import ExportError
 
 SIGNATURE = "signature"  # config.json's HMAC entry (`sign_config`)
+CONFIG_DIGEST = "config_digest"  # config.json's sha256 of its other entries (`seal_config`)
 
 
 def file_digest(path: Path) -> str:
@@ -23,6 +25,42 @@ def file_digest(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _canonical(config: dict, leave: tuple[str, ...]) -> bytes:
+    return json.dumps({k: v for k, v in config.items() if k not in leave}, sort_keys=True,
+                      separators=(",", ":")).encode("utf-8")
+
+
+def config_digest(config: dict) -> str:
+    """sha256 of config.json's entries but the digest and the signature, as canonical JSON."""
+    return hashlib.sha256(_canonical(config, (SIGNATURE, CONFIG_DIGEST))).hexdigest()
+
+
+def seal_config(config: dict, key: bytes | None = None) -> dict:
+    """`config` as it is written: with its ``config_digest`` and, with `key`, signed (`sign_config`)."""
+    config = redigest({k: v for k, v in config.items() if k != SIGNATURE})
+    return config if key is None else sign_config(config, key)
+
+
+def redigest(config: dict) -> dict:
+    """`config` with its ``config_digest`` computed anew, anything else (a signature) kept as it is."""
+    return {**config, CONFIG_DIGEST: {"algorithm": "sha256", "value": config_digest(config)}}
+
+
+def check_config_digest(config: dict, where: Path) -> bool:
+    """Refuse a config.json edited after it was written (its entries no longer give its
+    ``config_digest``); False for one written before config.json carried a digest."""
+    digest = config.get(CONFIG_DIGEST)
+    if digest is None:
+        return False
+    value = digest.get("value") if isinstance(digest, dict) else None
+    if not isinstance(value, str) or digest.get("algorithm") != "sha256":
+        raise ExportError(f"{where}: {CONFIG_DIGEST} must be {{'algorithm': 'sha256', 'value': hex}}")
+    if not hmac.compare_digest(value, config_digest(config)):
+        raise ExportError(f"{where} was changed after it was written (its entries no longer match its {CONFIG_DIGEST}): "
+                          "copy the export again from where it was trained, or train it anew")
+    return True
 
 
 def _signature(config: dict, key: bytes) -> str:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from . import __version__
 from .encoder.model import ILCPEncoder, MemorySource
 from .encoder.spec import EncoderSpec, ExportError
 from .encoder.kinds import config_value
 from .export import (BASELINES, CARD_FILE, CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, MODEL_FILE, encoder_state,
                      trained_state)
-from .export_integrity import SIGNATURE, file_digest, sign_config
+from .export_integrity import SIGNATURE, file_digest, seal_config
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 
 
@@ -27,6 +29,16 @@ def heldout_entries(data) -> dict:
 
     return {"task": held_out(resolve_task(data.task), data.heldout_tasks).name,
             "heldout_tasks": [resolve_task(name).name for name in data.heldout_tasks]}
+
+
+def finite_state(state: dict, name: str) -> dict:
+    """`state` when every tensor is finite; else ExportError naming the first that is not (weights
+    with NaN or infinity are never written: a receiver would answer from them silently)."""
+    for tensor_name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"the trained weights of {name} hold NaN or infinite values ({tensor_name}): training "
+                              "diverged, so nothing is exported; lower the learning rate or check the data")
+    return state
 
 
 def task_settings(data) -> dict:
@@ -42,13 +54,14 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
     """Write the trained memory sources of a run into ``cfg.run_dir`` (see the module docstring);
     ``precision`` is the compute precision the run trained at (`ilcp.precision`), which its
     receivers use by default; ``max_length`` the context tokens its sender read (``data.max_length``
-    resolved against the LM); with ``key``, config.json is signed (`sign_config`)."""
+    resolved against the LM); with ``key``, config.json is signed (`ilcp.export_integrity.seal_config`)."""
     run_dir = cfg.run_dir
     files = {}
     digests = {}
-    for name, source in sources.items():
+    states = {name: finite_state(trained_state(source), name) for name, source in sources.items()}  # before any write
+    for name, state in states.items():
         fname = MODEL_FILE if name == "ilcp" else f"{name}.safetensors"
-        atomic_save_safetensors(trained_state(source), run_dir / fname, {"format": "pt"})
+        atomic_save_safetensors(state, run_dir / fname, {"format": "pt"})
         files[name] = fname
         digests[fname] = file_digest(run_dir / fname)
     atomic_write_json(run_dir / "metrics.json", metrics)
@@ -73,7 +86,7 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
     if spec is not None:
         config.update(spec.to_config())
     atomic_write_text(run_dir / CARD_FILE, model_card(config, spec, metrics))
-    atomic_write_json(run_dir / CONFIG_FILE, config if key is None else sign_config(config, key))
+    atomic_write_json(run_dir / CONFIG_FILE, seal_config(config, key))
     return run_dir
 
 
@@ -111,7 +124,7 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path, key: byte
     """Write one encoder as an export (config.json + model.safetensors) into `path`; `config` is
     an export config: its lm and task entries are kept, its encoder's entries become `encoder`'s
     own, read with the layers and max_length `config` names (which the module does not hold);
-    with ``key``, config.json is signed (`sign_config`).
+    with ``key``, config.json is signed (`ilcp.export_integrity.seal_config`).
 
     Raises:
         FileExistsError: `path` is a file, or a folder whose config.json is not an earlier save of
@@ -127,7 +140,7 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path, key: byte
         raise ExportError(f"save_encoder's config: {e}") from None
     spec = EncoderSpec.from_encoder(encoder, layers, max_length)
     _check_save_target(path)
-    atomic_save_safetensors(encoder_state(encoder), path / MODEL_FILE, {"format": "pt"})
+    atomic_save_safetensors(finite_state(encoder_state(encoder), "ilcp"), path / MODEL_FILE, {"format": "pt"})
     config = json.loads(json.dumps(config))
     for entry in EncoderSpec.config_keys():  # the encoder's entries are written anew: none of the old one's stays
         config.pop(entry, None)
@@ -138,7 +151,7 @@ def save_encoder(encoder: ILCPEncoder, config: dict, path: str | Path, key: byte
     for entry in ("train_config", "metrics", SIGNATURE):  # files of a training run, and the old signature
         config.pop(entry, None)
     atomic_write_text(path / CARD_FILE, model_card(config, spec))
-    atomic_write_json(path / CONFIG_FILE, config if key is None else sign_config(config, key))
+    atomic_write_json(path / CONFIG_FILE, seal_config(config, key))
     return path
 
 

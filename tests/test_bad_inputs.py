@@ -34,6 +34,7 @@ from ilcp.rclc import SnapshotError
 from ilcp.rclc.snapshot import content_digest, write_snapshot
 from ilcp.wire.payload import PayloadError, pack
 from ilcp.wire.seal import SEAL_MAGIC, seal
+from ilcp.export_integrity import redigest
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -82,7 +83,7 @@ def copy_run(s, name="run") -> Path:
 def edit_config(run: Path, change) -> None:
     config = json.loads((run / "config.json").read_text())
     change(config)
-    (run / "config.json").write_text(json.dumps(config))
+    (run / "config.json").write_text(json.dumps(redigest(config)))  # its config_digest written anew
 
 
 def edit_weights(run: Path, change) -> None:

@@ -26,10 +26,11 @@ from ilcp.export_writing import save_encoder
 from ilcp.encoder.kinds import (ChunkedMemory, CodecMemory, PooledMemory, config_value, memory_kind_for,
                                register_memory_kind)
 from ilcp.names import pooling_kinds
+from ilcp.export_integrity import redigest
 
 DATA = Path(__file__).resolve().parent / "data"
 KEPT = DATA / "export_v1"
-RUN_KEYS = {"digests", "files", "format", "format_version", "lm", "metrics", "package_version", "task",
+RUN_KEYS = {"config_digest", "digests", "files", "format", "format_version", "lm", "metrics", "package_version", "task",
             "task_settings", "train_config"}
 
 
@@ -169,7 +170,7 @@ def test_a_bad_entry_is_one_line_naming_the_file_and_the_entry(case, tmp_path):
     config = _kept_config("snap")
     config["files"], config["digests"] = json.loads((KEPT / "config.json").read_text())["files"], {}
     BAD[case][0](config)
-    (run / "config.json").write_text(json.dumps(config))
+    (run / "config.json").write_text(json.dumps(redigest(config)))  # its config_digest written anew
     with pytest.raises(ExportError) as info:
         read_config(run)
     message = str(info.value)

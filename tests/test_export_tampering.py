@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
+from ilcp.export_integrity import redigest
 
 
 def _config(d):
@@ -16,7 +17,8 @@ def _config(d):
 
 
 def _write_config(d, config):
-    (d / "config.json").write_text(json.dumps(config))
+    """config.json edited by someone who also writes its new config_digest (the deeper checks' case)."""
+    (d / "config.json").write_text(json.dumps(redigest(config)))
 
 
 def _set(d, dotted, value, delete=False):

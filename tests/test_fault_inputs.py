@@ -21,6 +21,7 @@ from ilcp.export_integrity import file_digest
 from ilcp.handoff import MAX_SEND_CHARACTERS, ILCPHandoff
 from ilcp.lm import LM, LMLoadError, build_tiny_qwen3
 from ilcp.tasks import TaskFormatError, babi_file, parse_babi_file
+from ilcp.export_integrity import redigest
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -66,7 +67,7 @@ def copy_run(tiny_run, tmp_path, name="run") -> Path:
 def edit_config(run: Path, change) -> None:
     config = json.loads((run / "config.json").read_text())
     change(config)
-    (run / "config.json").write_text(json.dumps(config))
+    (run / "config.json").write_text(json.dumps(redigest(config)))  # its config_digest written anew
 
 
 def forge_weights(run: Path) -> None:

@@ -26,6 +26,7 @@ from ilcp.encoder.projector import GatedLatentToMemoryProjector
 from ilcp.training import data as training_data
 from ilcp.training.data import HandoffRows, latent_bound
 from ilcp.wire.payload import PayloadError, pack
+from ilcp.export_integrity import redigest
 
 KEY = b"k" * 32
 CONTEXT, QUESTION = "Mary moved to the hallway. John went to the garden.", "Where is John?"
@@ -257,7 +258,7 @@ def _edit_bound(run: Path, value, recompute_digest: bool) -> None:
     if recompute_digest:
         config = json.loads((run / "config.json").read_text())
         config["digests"]["model.safetensors"] = file_digest(run / "model.safetensors")
-        (run / "config.json").write_text(json.dumps(config))
+        (run / "config.json").write_text(json.dumps(redigest(config)))
 
 
 def test_an_edited_bound_is_refused_by_the_digest_and_with_a_key_by_the_signature(tiny_run, tmp_path):

@@ -46,9 +46,16 @@ __all__ = ["MemoryKind", "register_memory_kind", "memory_kinds", "pooling_kinds"
            "memory_kind_of", "config_value"]
 
 
-def config_value(config: dict, dotted: str, kind, *, minimum=None, required: bool = True, default=None):
+# The largest count any memory kind's setting may hold (queries, tokens per chunk or slot, slots,
+# adapter rank): far above what any recipe uses, far below what would exhaust memory when built.
+MAX_COUNT = 1 << 16
+
+
+def config_value(config: dict, dotted: str, kind, *, minimum=None, maximum=None, required: bool = True,
+                 default=None):
     """The entry ``dotted`` ("pooling.pool_queries") of a config.json object, of type `kind` (int,
-    float for any finite number, str, dict, list; a bool is never a number), at least `minimum`.
+    float for any finite number, str, dict, list; a bool is never a number), at least `minimum`
+    and at most `maximum`.
 
     Raises:
         ValueError: one line naming the entry; a missing entry only when `required` (else `default`).
@@ -68,6 +75,8 @@ def config_value(config: dict, dotted: str, kind, *, minimum=None, required: boo
         raise ValueError(f"{dotted!r} must be {'a number' if kind is float else kind.__name__}, got {node!r}")
     if minimum is not None and node < minimum:
         raise ValueError(f"{dotted!r} must be >= {minimum}, got {node!r}")
+    if maximum is not None and node > maximum:
+        raise ValueError(f"{dotted!r} must be <= {maximum:,}, got {node!r}")
     return node
 
 
@@ -218,11 +227,12 @@ class PooledMemory(MemoryKind):
             if "pool_queries" in pooling:
                 raise ValueError("'pooling' names its queries twice: 'pool_queries' and the older 'num_queries'")
             entry = "num_queries"
-        return {"pooling": kind, "pool_queries": config_value({"pooling": pooling}, f"pooling.{entry}", int, minimum=1)}
+        return {"pooling": kind, "pool_queries": config_value({"pooling": pooling}, f"pooling.{entry}", int, minimum=1,
+                                                              maximum=MAX_COUNT)}
 
     @classmethod
     def from_pooling(cls, pooling: dict) -> PooledMemory:
-        config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0, required=False)
+        config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0, maximum=MAX_COUNT, required=False)
         return cls(**cls._pooled_settings(pooling))
 
     def pooling_entries(self) -> dict:
@@ -259,7 +269,7 @@ class ChunkedMemory(PooledMemory):
 
     @classmethod
     def from_pooling(cls, pooling: dict) -> ChunkedMemory:
-        chunks = config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0)
+        chunks = config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=0, maximum=MAX_COUNT)
         return cls(**cls._pooled_settings(pooling), chunk_tokens=chunks)
 
     def pooling_entries(self) -> dict:
@@ -294,7 +304,7 @@ class CodecMemory(MemoryKind):
 
     @classmethod
     def from_pooling(cls, pooling: dict) -> CodecMemory:
-        return cls(config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=1))
+        return cls(config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=1, maximum=MAX_COUNT))
 
     def pooling_entries(self) -> dict:
         return {"kind": "concat", "chunk_tokens": self.chunk_tokens}

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from ..compat import cache_kwargs, logits_to_keep_kwargs, output_cache
 from .compressor import BetaVAE, kl_divergence
 from .model import ILCPEncoder
-from .kinds import MemoryKind, config_value
+from .kinds import MAX_COUNT, MemoryKind, config_value
 from ..names import MEMORY_KINDS
 from .pooling import layer_states, pad_id_of, pad_right, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
@@ -302,9 +302,10 @@ class SlotMemory(MemoryKind):
     @classmethod
     def from_pooling(cls, pooling: dict) -> SlotMemory:
         wrapped = {"pooling": pooling}
-        counts = [config_value(wrapped, f"pooling.{name}", int, minimum=1)
+        counts = [config_value(wrapped, f"pooling.{name}", int, minimum=1, maximum=MAX_COUNT)
                   for name in ("tokens_per_slot", "min_slots", "max_slots")]
-        rank = config_value(wrapped, "pooling.adapter_rank", int, minimum=0, required=False, default=0)
+        rank = config_value(wrapped, "pooling.adapter_rank", int, minimum=0, maximum=MAX_COUNT, required=False,
+                            default=0)
         adapters = config_value(wrapped, "pooling.adapters", dict, required=False, default={})
         if not all(isinstance(v, list) and len(v) == 2 for v in adapters.values()):
             raise ValueError("'pooling.adapters' must map LM module names to [in, out] sizes")

@@ -28,7 +28,7 @@ from ..names import SNAP_METRICS, VOCABULARY_SNAPS
 from .projector import GatedLatentToMemoryProjector
 from ..receiver.prompts import MEMORY_PLACEMENTS
 
-__all__ = ["EncoderSpec", "ExportError", "NORMALISATION"]
+__all__ = ["MAX_PARAMETERS", "EncoderSpec", "ExportError", "NORMALISATION"]
 
 NORMALISATION = "model.safetensors: compressor.input_mean, compressor.input_std (train split)"
 
@@ -37,24 +37,35 @@ class ExportError(ValueError):
     """An export directory is missing, incomplete, or made for another LM."""
 
 
-def setting(key: str, default=MISSING, *, minimum=None, above=None, choices=None, omit_default: bool = False,
-            written_with: str | None = None, optional: bool = False):
+def setting(key: str, default=MISSING, *, minimum=None, maximum=None, above=None, choices=None,
+            omit_default: bool = False, written_with: str | None = None, optional: bool = False):
     """A field of `EncoderSpec` written as config.json entry `key`.
 
     Args:
         default: the value when the entry is absent (only where absence is allowed).
-        minimum, above: the value must be >= minimum, > above; choices: one of these.
+        minimum, maximum, above: the value must be >= minimum, <= maximum, > above; choices: one of
+            these.
         omit_default: absent from config.json when equal to the default (a top-level entry may
             then be absent; one inside an object is required when its object is there).
         written_with: written exactly when the named field is written (an entry of its object).
         optional: may be absent whatever else is there (an entry older exports lack).
     """
-    meta = {"key": key, "minimum": minimum, "above": above, "choices": choices, "omit_default": omit_default,
+    meta = {"key": key, "minimum": minimum, "maximum": maximum, "above": above, "choices": choices, "omit_default": omit_default,
             "written_with": written_with, "optional": optional}
     return field(default=default, metadata=meta)
 
 
 _TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": list}
+
+# Documented maxima of the sizes config.json holds, checked when it is read, before anything is
+# built: far above every recipe, far below what would exhaust memory. The parameters they build
+# together are bounded too (`MAX_PARAMETERS`, against the LM's width), before any is allocated.
+MAX_WIDTH = 1 << 16  # latent_dim, compressor.hidden_dim, projector.hidden
+MAX_INPUT = 1 << 20  # compressor.input_dim (token states side by side for the codec)
+MAX_VECTORS = 1 << 12  # num_memory_tokens, format_vectors
+MAX_LENGTH = 1 << 20  # pooling.max_length, tokens
+MAX_LAYERS = 256  # pooling.layers
+MAX_PARAMETERS = 1 << 30  # the encoder's parameters together (4 GiB in float32)
 
 
 @dataclass(frozen=True)
@@ -63,17 +74,17 @@ class EncoderSpec:
 
     VERSION: ClassVar[int] = 1
 
-    latent_dim: int = setting("latent_dim", minimum=1)  # Z, the floats of one latent
-    num_memory_tokens: int = setting("num_memory_tokens", minimum=1)  # K, memory vectors per latent
-    input_dim: int = setting("compressor.input_dim", minimum=1)  # the VAE's input width
-    hidden_dim: int = setting("compressor.hidden_dim", minimum=1)  # the VAE's body width
+    latent_dim: int = setting("latent_dim", minimum=1, maximum=MAX_WIDTH)  # Z, the floats of one latent
+    num_memory_tokens: int = setting("num_memory_tokens", minimum=1, maximum=MAX_VECTORS)  # K, memory vectors per latent
+    input_dim: int = setting("compressor.input_dim", minimum=1, maximum=MAX_INPUT)  # the VAE's input width
+    hidden_dim: int = setting("compressor.hidden_dim", minimum=1, maximum=MAX_WIDTH)  # the VAE's body width
     beta: float = setting("compressor.beta", minimum=0)  # the KL weight
-    projector_hidden: int = setting("projector.hidden", minimum=1)  # the projector's trunk width
+    projector_hidden: int = setting("projector.hidden", minimum=1, maximum=MAX_WIDTH)  # the projector's trunk width
     layers: tuple[int, ...] = setting("pooling.layers")  # hidden-state layers read, concatenated
-    max_length: int = setting("pooling.max_length", minimum=1)  # context tokens the sender reads
+    max_length: int = setting("pooling.max_length", minimum=1, maximum=MAX_LENGTH)  # context tokens the sender reads
     memory: MemoryKind = setting("pooling")  # the memory kind and its own settings (`ilcp.encoder.kinds`)
     memory_placement: str = setting("memory_placement", "prefix", choices=MEMORY_PLACEMENTS, omit_default=True)
-    format_vectors: int = setting("format_vectors", 0, minimum=0, omit_default=True)
+    format_vectors: int = setting("format_vectors", 0, minimum=0, maximum=MAX_VECTORS, omit_default=True)
     vocabulary_snap: str = setting("vocabulary_snap.mode", "none", choices=VOCABULARY_SNAPS, omit_default=True)
     snap_temperature: float = setting("vocabulary_snap.temperature", 0.02, above=0, written_with="vocabulary_snap")
     snap_metric: str = setting("vocabulary_snap.metric", "cosine", choices=SNAP_METRICS,
@@ -88,6 +99,8 @@ class EncoderSpec:
             elif f.name == "layers":
                 if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
                     raise ValueError(f"'pooling.layers' must be a non-empty list of ints, got {list(value)!r}")
+                if len(value) > MAX_LAYERS:
+                    raise ValueError(f"'pooling.layers' must name at most {MAX_LAYERS} layers, got {len(value)}")
                 object.__setattr__(self, "layers", tuple(value))
             else:
                 _check(meta["key"], value, _TYPES[f.type], meta)
@@ -160,7 +173,32 @@ class EncoderSpec:
     # ------------------------------------------------------------------------------ the module
 
     def build(self, hidden_size: int) -> ILCPEncoder:
-        """An untrained `ILCPEncoder` of these settings for an LM of `hidden_size` (format vectors zero)."""
+        """An untrained `ILCPEncoder` of these settings for an LM of `hidden_size` (format vectors zero).
+
+        Raises:
+            ExportError: the parameters these settings build for this LM's width are more than
+                `MAX_PARAMETERS` (counted on the meta device, before any is allocated), naming the
+                largest part and the entries that size it.
+        """
+        self.check_parameters(hidden_size)
+        return self._build(hidden_size)
+
+    def check_parameters(self, hidden_size: int) -> int:
+        """The parameters these settings build for an LM of `hidden_size`, counted without
+        allocating any; ExportError over `MAX_PARAMETERS`."""
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            parts = {name: sum(p.numel() for p in module.parameters())
+                     for name, module in self._build(hidden_size).named_children()}
+        total = sum(parts.values())
+        if total > MAX_PARAMETERS:
+            largest = max(parts, key=parts.get)
+            raise ExportError(f"these encoder settings build {total:,} parameters for an LM of width {hidden_size} (the "
+                              f"{largest} {parts[largest]:,}), more than {MAX_PARAMETERS:,}: check latent_dim, "
+                              "num_memory_tokens, compressor.hidden_dim, compressor.input_dim, projector.hidden and "
+                              "the pooling entries")
+        return total
+
+    def _build(self, hidden_size: int) -> ILCPEncoder:
         # the pooler first, then the VAE and the projector: the order training builds them in,
         # so a build draws the same random numbers wherever it runs
         pooler = self.memory.pooler(hidden_size * len(self.layers), hidden_size=hidden_size)
@@ -182,6 +220,8 @@ def _check(key: str, value, kind, meta) -> None:
         raise ValueError(f"{key!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
     if meta["minimum"] is not None and value < meta["minimum"]:
         raise ValueError(f"{key!r} must be >= {meta['minimum']}, got {value!r}")
+    if meta["maximum"] is not None and value > meta["maximum"]:
+        raise ValueError(f"{key!r} must be <= {meta['maximum']:,}, got {value!r}")
     if meta["above"] is not None and not value > meta["above"]:
         raise ValueError(f"{key!r} must be > {meta['above']}, got {value!r}")
     if meta["choices"] is not None and value not in meta["choices"]:
