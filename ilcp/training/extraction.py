@@ -21,7 +21,8 @@ The cache file, its key and its reader are `ilcp.training.state_cache`: its tens
 maps (`read_cache`), never loaded whole, so training batches read their rows from the file. A file
 is written to a folder of its own next to the cache and renamed into place when complete, so a
 kill leaves no file a later run reads; one that does not match what is asked (another key, other
-rows, dtype, sizes, truncated) is refused with one line saying why, and computed again.
+rows, dtype, sizes, truncated, bytes that do not match its digest, a NaN or an infinity in its
+states, or no digest at all) is refused with one line saying why, and computed again.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from ..encoder.pooling import (TOKENIZE_CHUNK, TokenStates, length_batches, mask
                        sender_token_states, tokenize_contexts)
 from ..progress import Ticker, bars, lines
 from .log import say
-from .state_cache import (CACHE_DTYPES, CacheMismatch, cache_dtype, cache_path, clear_dead_writers, pooled_cache_key,
-                          read_cache, states_in_cache, write_safetensors)
+from .state_cache import (CACHE_DTYPES, CacheMismatch, cache_dtype, cache_path, check_contents, clear_dead_writers,
+                          pooled_cache_key, read_cache, states_in_cache, write_safetensors, writer_folder)
 
 
 def token_ids(tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -300,12 +301,14 @@ def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: d
         try:
             if not path.is_file():
                 raise CacheMismatch("it is not a regular file")
-            return states_in_cache(read_cache(path, expect, metadata), tokens, n), path, True
+            states = states_in_cache(read_cache(path, expect, metadata), tokens, n)
+            check_contents(path)
+            return states, path, True
         except (CacheMismatch, OSError) as e:
             say(f"sender-state cache {path} refused ({e}): computing it again")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_cache_folder(path)
     clear_dead_writers(path)
-    work = path.parent / f".{path.name}.{os.getpid()}.partial"
+    work = writer_folder(path)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
@@ -318,7 +321,27 @@ def _cached(lm: LM, contexts: Sequence[str], row_ids: Sequence[str], task_key: d
         os.replace(out, path)  # complete, so only now under its name
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return states_in_cache(read_cache(path, expect, metadata), tokens, n), path, False
+    states = states_in_cache(read_cache(path, expect, metadata), tokens, n)
+    try:
+        check_contents(path)
+    except CacheMismatch as e:
+        path.unlink(missing_ok=True)
+        hint = ("the LM gives non-finite states for these contexts: try trainer.precision=32-true" if "NaN" in str(e)
+                else "the file changed as it was written: check the disk and run again")
+        raise ValueError(f"the sender states just computed into {path} are refused ({e}); {hint}") from None
+    return states, path, False
+
+
+def make_cache_folder(path: Path) -> None:
+    """The cache's folder of ``path``, made when missing; ValueError naming it when a file is in
+    its way."""
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise ValueError(f"the sender-state cache needs the folder {path.parent}, but {folder} is a file: move "
+                                 "it away or set lm.cache_dir to another folder")
+            break
+    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def cached_pooled_states(

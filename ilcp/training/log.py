@@ -1,4 +1,5 @@
-"""Progress lines of a training run, and the Lightning pieces every stage shares."""
+"""Progress lines of a training run, and the Lightning pieces every stage shares: its trainer,
+which stops a stage whose loss turns NaN or infinite (`NonFiniteLoss`), its logs and checkpoints."""
 
 from __future__ import annotations
 
@@ -72,6 +73,27 @@ class ProgressLines(L.Callback):
             self._val = None
 
 
+class NonFiniteLoss(ValueError):
+    """A stage's training loss that turned NaN or infinite (one line naming the stage and the step)."""
+
+
+class StopOnNonFiniteLoss(L.Callback):
+    """Stops a stage at the first NaN or infinite training loss, before its backward pass: the
+    stage's weights never take that step, and the run stops with a `NonFiniteLoss` naming the stage
+    and the optimizer step. Every process decides together, so all stop at the same step."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        if trainer.strategy.reduce_boolean_decision(bad, all=False):
+            raise NonFiniteLoss(
+                f"stage {self.name}: the training loss is {loss.detach().float().mean().item()} at step "
+                f"{trainer.global_step + 1} (epoch {trainer.current_epoch + 1}): training stopped, nothing exported; "
+                "check the task's rows and the sender-state cache, or lower the stage's learning rate")
+
+
 def parameter_counts(module: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) parameter counts."""
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -91,9 +113,11 @@ def run_precision(cfg) -> str:
 
 
 def make_trainer(cfg, stage_dir: Path, name: str, callbacks: list, **kwargs) -> L.Trainer:
-    """A Trainer with the run's accelerator settings and precision, logging to ``RUN/logs/NAME``;
-    with ``trainer.progress``, Lightning's bar on a terminal and `ProgressLines` elsewhere."""
+    """A Trainer with the run's accelerator settings and precision, logging to ``RUN/logs/NAME``,
+    stopping at a non-finite loss (`StopOnNonFiniteLoss`); with ``trainer.progress``, Lightning's
+    bar on a terminal and `ProgressLines` elsewhere."""
     t = cfg.trainer
+    callbacks = [*callbacks, StopOnNonFiniteLoss(name)]
     if lines(t.progress):
         callbacks = [*callbacks, ProgressLines(name)]
     return L.Trainer(

@@ -11,12 +11,18 @@ is the file of a key. `write_safetensors` writes a file by streaming, one tensor
 `read_cache` reads one back as memory maps, never whole, so the page cache holds what was read
 once for every process of a run and a process's own memory does not grow with the rows. A file
 that does not match what is asked (another key, other rows, dtype, sizes, truncated) is refused
-with a `CacheMismatch` saying why in one line. The extraction that fills the cache is
-`ilcp.training.extraction`.
+with a `CacheMismatch` saying why in one line. Each file carries a sha256 digest of its tensors
+(layout and bytes) in its metadata, written as it streams; `check_contents` reads the file in
+blocks, compares the digest and checks every float state is finite, so damage inside the data is
+refused too (a file without a digest, from before digests, is refused as stale). A file truncated
+in place while it is mapped ends the process on the next read of the lost pages (SIGBUS): the
+first mapping enables `faulthandler`, so that ends with Python's traceback rather than silently.
+The extraction that fills the cache is `ilcp.training.extraction`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -36,6 +42,11 @@ CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # safetensors' names of the dtypes a cache holds, and the numpy dtype each is mapped as
 _STORED = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
 _MAPPED = {"F32": (np.float32, None), "BF16": (np.int16, torch.bfloat16), "I64": (np.int64, None)}
+DIGEST = "sha256"
+# each float dtype as the unsigned integers its bytes are read as, and the bound from which its bits
+# without the sign are a NaN or an infinity (every exponent bit set)
+_EXPONENT = {"F32": (np.uint32, 0x7F800000), "BF16": (np.uint16, 0x7F80)}
+CHECK_BLOCK = 8 << 20  # bytes read at a time by `check_contents`
 
 
 def cache_dtype(setting: str, precision: str, lm_dtype: str = "float32") -> str:
@@ -77,37 +88,90 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), or None where that cannot
+    be read: with its pid it names one process, whose pid a later process may reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def writer_folder(path: Path) -> Path:
+    """The folder this process writes ``path`` in: ``.NAME.PID-START.partial`` (START as
+    `process_start` gives it, absent where it cannot be read)."""
+    start = process_start(os.getpid())
+    return path.parent / f".{path.name}.{os.getpid()}{'-' + start if start else ''}.partial"
+
+
 def clear_dead_writers(path: Path) -> None:
-    """The folders that killed extractions of ``path`` left (``.NAME.PID.partial``)."""
+    """The folders that killed extractions of ``path`` left (``.NAME.PID[-START].partial``): those
+    whose process is gone, or whose pid now belongs to a process that started at another time."""
     for folder in path.parent.glob(f".{path.name}.*.partial"):
-        pid = folder.name[len(path.name) + 2:-len(".partial")]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        pid, _, start = folder.name[len(path.name) + 2:-len(".partial")].partition("-")
+        if not pid.isdigit():
+            continue
+        alive = _pid_alive(int(pid))
+        reused = alive and start.isdigit() and process_start(int(pid)) not in (None, start)
+        if not alive or reused:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Hashing:
+    """A file being written that hashes what goes through it."""
+
+    def __init__(self, f, digest):
+        self.f, self.digest = f, digest
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def _layout_bytes(header: dict) -> bytes:
+    """What the digest covers besides the data: every tensor's dtype, shape and offsets."""
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    return json.dumps(tensors, sort_keys=True, separators=(",", ":")).encode()
 
 
 def write_safetensors(path: Path, layout: list[tuple[str, torch.dtype, list[int]]], fill,
                       metadata: dict[str, str] | None = None) -> None:
     """A safetensors file written by streaming: the header from ``layout`` ((name, dtype, shape)
     in file order), then ``fill(file, name)`` writes each tensor's bytes in turn; checked against
-    the layout, flushed to disk."""
+    the layout, its digest (metadata ``digest``: sha256 of the layout and the bytes) written into
+    the header last, flushed to disk."""
     header, begin, sizes = {}, 0, []
     for name, dtype, shape in layout:
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _STORED[dtype], "shape": list(shape), "data_offsets": [begin, begin + size]}
         sizes.append(size)
         begin += size
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.new(DIGEST, _layout_bytes(header))
+    placeholder = f"{DIGEST}:{'0' * 2 * digest.digest_size}"
+
+    def encoded(value: str) -> bytes:
+        text = json.dumps({**header, "__metadata__": {**(metadata or {}), "digest": value}},
+                          separators=(",", ":")).encode()
+        return text + b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+
+    text = encoded(placeholder)
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
+        hashing = _Hashing(f, digest)
         for (name, _, _), size in zip(layout, sizes):
             at = f.tell()
-            fill(f, name)
+            fill(hashing, name)
             if f.tell() - at != size:
                 raise RuntimeError(f"{name}: wrote {f.tell() - at} bytes where the header says {size}")
+        final = encoded(f"{DIGEST}:{digest.hexdigest()}")
+        f.seek(8)
+        f.write(final)
         f.flush()
         os.fsync(f.fileno())
 
@@ -155,6 +219,8 @@ def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]
         raise CacheMismatch(f"{'truncated' if 8 + n + end > size else 'too long'}: {size} bytes where its header "
                             f"says {8 + n + end}")
     out = {}
+    if not faulthandler.is_enabled():  # a file truncated under its map: a traceback, not a silent death
+        faulthandler.enable()
     for name, (dtype, shape) in expect.items():
         t = header[name]
         begin, stop = (int(x) for x in t["data_offsets"])
@@ -169,6 +235,8 @@ def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]
         if stop == begin:
             tensor = torch.zeros(got, dtype=dtype)
         else:
+            if path.stat().st_size != size:  # changed since it was checked: mapped pages past its end would kill
+                raise CacheMismatch(f"it changed size while being read ({size} -> {path.stat().st_size} bytes)")
             mapped = np.memmap(path, dtype=numpy_dtype, mode="c", offset=8 + n + begin, shape=tuple(got))
             tensor = torch.from_numpy(mapped)
             tensor = tensor.view(view) if view is not None else tensor
@@ -184,3 +252,46 @@ def states_in_cache(found: dict[str, Tensor], tokens: bool, n: int):
     if int(offsets[0]) != 0 or int(offsets[-1]) != found["states"].shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
         raise CacheMismatch(f"its offsets do not rise from 0 to its {found['states'].shape[0]} token states")
     return TokenStates(found["states"], offsets)
+
+
+def check_contents(path: Path) -> None:
+    """Whether a cache file's tensors are those it was written with and its float states finite:
+    the file is read in blocks of `CHECK_BLOCK` bytes (never whole) and hashed as
+    `write_safetensors` hashed it, and each block of a float tensor checked for NaN and Inf.
+
+    Raises:
+        CacheMismatch: the file has no digest (written before digests), its bytes or layout do not
+            match its digest, or a float tensor holds a NaN or an infinity.
+    """
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        stored = str((header.get("__metadata__") or {}).get("digest", ""))
+        name, _, expected = stored.partition(":")
+        if name != DIGEST or not expected:
+            raise CacheMismatch("it has no digest of its states (written before caches carried one): stale")
+        digest = hashlib.new(DIGEST, _layout_bytes(header))
+        tensors = sorted((v["data_offsets"], k, v["dtype"]) for k, v in header.items() if k != "__metadata__")
+        buffer, scratch = bytearray(CHECK_BLOCK), bytearray(CHECK_BLOCK)
+        view = memoryview(buffer)
+        bad = []
+        for (begin, stop), tensor, dtype in tensors:
+            f.seek(8 + n + int(begin))
+            left = int(stop) - int(begin)
+            while left:
+                got = f.readinto(view[:min(left, CHECK_BLOCK)])
+                if not got:
+                    raise CacheMismatch(f"truncated: {tensor} ends early")
+                digest.update(view[:got])
+                if dtype in _EXPONENT and not bad:
+                    unsigned, bound = _EXPONENT[dtype]
+                    bits = np.frombuffer(buffer, dtype=unsigned, count=got // np.dtype(unsigned).itemsize)
+                    unsigned_bits = np.frombuffer(scratch, dtype=unsigned, count=len(bits))
+                    if len(bits) and np.bitwise_and(bits, bound | (bound - 1), out=unsigned_bits).max() >= bound:
+                        bad.append(tensor)
+                left -= got
+    if digest.hexdigest() != expected:
+        raise CacheMismatch("its states do not match their digest (the file was changed or damaged after it was "
+                            "written)")
+    if bad:
+        raise CacheMismatch(f"its {bad[0]} hold a NaN or an infinity")
