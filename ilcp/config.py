@@ -102,6 +102,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"override {item!r} must look like key=value (e.g. handoff.max_steps=50)")
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw) if raw.strip() else None
+        if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+            value = raw.strip()  # "jsonl:" read as a YAML mapping: the text as it was typed
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:

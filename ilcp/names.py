@@ -167,6 +167,9 @@ def unknown_task(name) -> str | None:
         return f"a task name must be a non-empty string, got {name!r}"
     if task_source(name) is not None:
         return None
+    bare = name.strip().rstrip(":")
+    if name.strip().endswith(":") and bare in ("jsonl", "csv", "parquet", "disk"):
+        return f"task {name!r} names no file: give its path, e.g. {bare}:data/rows{'' if bare == 'disk' else '.' + bare}"
     forms = "; ".join(forms for _, forms in TASK_NAMES.values())
     return f"unknown task {name!r}; available: {forms}"
 

@@ -171,3 +171,10 @@ def test_weights_with_nan_are_never_written(tiny_run, tmp_path):
     with pytest.raises(ExportError, match="hold NaN or infinite values"):
         save_encoder(encoder, run.config, tmp_path / "saved")
     assert not (tmp_path / "saved" / "config.json").exists()
+
+
+def test_a_file_task_without_its_path_is_named_in_one_line():
+    from ilcp.config import load_config
+
+    with pytest.raises(ValueError, match=r"data.task: task 'jsonl:' names no file: give its path, e.g. jsonl:"):
+        load_config(None, ["data.task=jsonl:"])
