@@ -67,15 +67,18 @@ def test_400_questions_of_130k_characters_are_refused_before_any_is_tokenised(ha
         assert words in message, (words, message)
 
 
-def test_questions_at_the_total_bound_pass_it(handoff, wire, no_tokenizing):
-    """At exactly MAX_RECEIVE_CHARACTERS the total is accepted: what refuses them then is each
-    question's own bound (before tokenising too); one character more is the total's refusal."""
-    half = "w" * (MAX_RECEIVE_CHARACTERS // 2)
-    with pytest.raises(ValueError, match="question 0 has 524,288 characters"):
-        handoff.receive(wire, [half, half])
-    with pytest.raises(ValueError, match=r"these 2 questions hold 1,048,577 characters together"):
-        handoff.receive(wire, [half, half + "w"])
-    assert MAX_RECEIVE_CHARACTERS == 1 << 20
+def test_questions_at_the_total_bound_pass_it(handoff, wire, tiny_lm, no_tokenizing):
+    """Each question's own bound comes first (one overlong question is told to shorten it); at
+    exactly MAX_RECEIVE_CHARACTERS the total is accepted (what refuses these questions then is the
+    one-latent payload, still before tokenising); one character more is the total's refusal."""
+    each = tiny_lm.max_positions * 32
+    assert 8 * each == MAX_RECEIVE_CHARACTERS
+    with pytest.raises(ValueError, match="question 1 has 524,288 characters, more than 4096 tokens can hold"):
+        handoff.receive(wire, ["w", "w" * (MAX_RECEIVE_CHARACTERS // 2)])
+    with pytest.raises(ValueError, match="1 latent"):
+        handoff.receive(wire, ["w" * each] * 8)
+    with pytest.raises(ValueError, match=r"these 9 questions hold 1,048,577 characters together"):
+        handoff.receive(wire, ["w" * each] * 8 + ["w"])
 
 
 def test_a_receive_within_the_bounds_still_answers(handoff, wire):
