@@ -297,13 +297,13 @@ class Receiver:
             raise ValueError("question must be a string or a non-empty list of strings")
         if any(not q.strip() for q in questions):
             raise ValueError("a question must not be empty")
+        for i, q in enumerate(questions):
+            text_input("the question" if single else f"question {i}", q, self.lm.max_positions)
         total = sum(len(q) for q in questions)
         if total > MAX_RECEIVE_CHARACTERS:
             raise ValueError(f"these {len(questions)} questions hold {total:,} characters together, more than "
                              f"{MAX_RECEIVE_CHARACTERS:,} (ilcp.receiver.receive.MAX_RECEIVE_CHARACTERS): ask them in "
                              "several calls")
-        for i, q in enumerate(questions):
-            text_input("the question" if single else f"question {i}", q, self.lm.max_positions)
         positive_int("max_new_tokens", max_new_tokens)
         prefixes = self.prefixes(payload, questions)
         limit = getattr(getattr(self.lm.model, "config", None), "max_position_embeddings", None)

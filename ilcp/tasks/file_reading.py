@@ -112,6 +112,7 @@ def read_file(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datas
     float), so such a file is read with every value of those columns as a list. A JSON Lines or
     CSV file is checked first: UTF-8 (a byte-order mark is dropped), and at least one row."""
     check_exists(fmt, path)
+    shown = path  # what a message names: the user's file, never a copy read in its place
     if fmt in ("jsonl", "csv") and _check_text(fmt, path):
         path = _without_bom(path)
     try:
@@ -123,13 +124,13 @@ def read_file(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datas
                 text = datasets.Features({name: datasets.Value("string") for name in _csv_header(path)})
                 return datasets.load_dataset("csv", data_files=str(path), split="train", features=text,
                                              na_filter=False, cache_dir=cache_dir)
-            if fmt == "jsonl" and _mixed_json_columns(path, list_columns):
+            if fmt == "jsonl" and _mixed_json_columns(path, list_columns, shown):
                 path = _listed_json(path, list_columns)
             return datasets.load_dataset(FORMATS[fmt], data_files=str(path), split="train", cache_dir=cache_dir)
     except TaskFormatError:
         raise
     except Exception as e:  # noqa: BLE001  datasets / pyarrow raise many kinds for a malformed file
-        raise TaskFormatError(_read_error(fmt, path, e)) from None
+        raise TaskFormatError(_read_error(fmt, path, e, shown)) from None
 
 
 def _csv_header(path: Path) -> list[str]:
@@ -141,8 +142,9 @@ def _csv_header(path: Path) -> list[str]:
     return header
 
 
-def _json_lines(path: Path):
-    """(line number, object) of each non-blank line; TaskFormatError at the first bad one."""
+def _json_lines(path: Path, shown: Path):
+    """(line number, object) of each non-blank line; TaskFormatError at the first bad one, naming
+    ``shown`` (the user's file, where ``path`` is a copy of it)."""
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -150,16 +152,16 @@ def _json_lines(path: Path):
             try:
                 value = json.loads(line)
             except ValueError as e:
-                raise TaskFormatError(f"{path}, line {number}: not a JSON object ({e})") from None
+                raise TaskFormatError(f"{shown}, line {number}: not a JSON object ({e})") from None
             if not isinstance(value, dict):
-                raise TaskFormatError(f"{path}, line {number}: not a JSON object (got {type(value).__name__})")
+                raise TaskFormatError(f"{shown}, line {number}: not a JSON object (got {type(value).__name__})")
             yield number, value
 
 
-def _mixed_json_columns(path: Path, columns: tuple[str, ...]) -> bool:
+def _mixed_json_columns(path: Path, columns: tuple[str, ...], shown: Path) -> bool:
     """Whether any of ``columns`` holds a list on one line and something else on another."""
     kinds = {column: set() for column in columns}
-    for _, value in _json_lines(path):
+    for _, value in _json_lines(path, shown):
         for column in columns:
             if column in value:
                 kinds[column].add(isinstance(value[column], list))
@@ -189,15 +191,15 @@ def _listed_json(path: Path, columns: tuple[str, ...]) -> Path:
     return out
 
 
-def _read_error(fmt: str, path: Path, error: Exception) -> str:
+def _read_error(fmt: str, path: Path, error: Exception, shown: Path) -> str:
     if fmt == "jsonl":
-        for _ in _json_lines(path):  # TaskFormatError at the first line that is not a JSON object
+        for _ in _json_lines(path, shown):  # TaskFormatError at the first line that is not a JSON object
             pass
     cause = error.__cause__ or error.__context__ or error
     what = " ".join(str(cause).split())[:200] or type(cause).__name__
     kind = {"disk": "a folder written by datasets' save_to_disk", "jsonl": "JSON Lines", "csv": "CSV",
             "parquet": "Parquet"}[fmt]
-    return f"{path}: not readable as {kind}: {what}"
+    return f"{shown}: not readable as {kind}: {what}"
 
 
 def _line_numbers(fmt: str, path: Path, n_rows: int) -> list[int] | None:

@@ -258,8 +258,8 @@ def _check_apart(source: FileSource, given: dict[str, list[tuple[dict, Row]]]) -
 
 def _split_rows(source: FileSource, columns: dict, task: str, validation_fraction: float,
                 test_fraction: float, seed: int, allow_overlap: bool = False) -> dict[str, list[tuple[dict, Row]]]:
-    """Every split's standard rows, each with where it came from; ids and rows checked unique, and
-    given splits apart (unless ``allow_overlap``)."""
+    """Every split's standard rows, each with where it came from; given splits apart (unless
+    ``allow_overlap``), and ids and rows unique within each split."""
     given: dict[str, list[tuple[dict, Row]]] = {}
     has_ids = False
     stem = source.paths[0][1].stem or "row"
@@ -286,9 +286,10 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
                                               f"got {_kind(target)}")
                 rows = given.setdefault(target, [])
                 rows.append((_standard(raw, mapping, task, target, len(rows), stem), raw))
-    _check_unique([pair for rows in given.values() for pair in rows], has_ids)
     if not allow_overlap and not set(given) <= {"all"}:
         _check_apart(source, given)
+    for rows in given.values():  # answers are joined back to rows within a split
+        _check_unique(rows, has_ids)
     if set(given) <= {"all"}:  # nothing says which row is which split
         return _carve(given.get("all", []), validation_fraction, test_fraction, seed)
     if "train" not in given:
