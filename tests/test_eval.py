@@ -17,6 +17,7 @@ from ilcp.evaluation.run import evaluate
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.tasks import make_facts
+from ilcp.export_integrity import redigest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,7 +108,7 @@ def test_missing_weights_are_skipped_with_a_note(run_dir, tiny_lm, tmp_path):
     shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
     config = json.loads((partial / "config.json").read_text())
     del config["files"]["ilcp"], config["files"]["cold_read_tuned"]
-    (partial / "config.json").write_text(json.dumps(config))
+    (partial / "config.json").write_text(json.dumps(redigest(config)))
     notes = []
     results = evaluate(partial, limit=2, latency_n=0, lengths=(), lm=tiny_lm, log=notes.append, **FAST)
     assert set(results["skipped"]) == {"ilcp", "cold_read_tuned"}
@@ -121,7 +122,7 @@ def test_facts_run_reports_accuracy_against_the_number_of_facts(run_dir, tiny_lm
     shutil.copytree(run_dir, facts_run, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
     config = json.loads((facts_run / "config.json").read_text())
     config["task"] = "facts"  # the modules do not depend on the task; the report does
-    (facts_run / "config.json").write_text(json.dumps(config))
+    (facts_run / "config.json").write_text(json.dumps(redigest(config)))
     results = evaluate(facts_run, limit=2, latency_n=1, lengths=(), facts_counts=(1, 2), facts_count_limit=2,
                        out=tmp_path / "out", lm=tiny_lm, **FAST)
     assert list(results["tasks"]) == ["facts"]
@@ -225,7 +226,7 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
     config = json.loads((facts_run / "config.json").read_text())
     config["task"] = "facts"
     config["task_settings"].update(facts_n_facts=2, facts_n_distractors=1, seed=3)
-    (facts_run / "config.json").write_text(json.dumps(config))
+    (facts_run / "config.json").write_text(json.dumps(redigest(config)))
     out = tmp_path / "out"
     results = evaluate(facts_run, methods=["cold_read"], limit=3, latency_n=0, lengths=(), facts_counts=(),
                        out=out, lm=tiny_lm, **FAST)
@@ -240,15 +241,15 @@ def test_facts_settings_come_from_config_json(run_dir, tiny_lm, tmp_path, monkey
 
     monkeypatch.setattr(eval_session, "load_export_lm", no_lm)
     del config["task_settings"]["facts_n_distractors"]
-    (facts_run / "config.json").write_text(json.dumps(config))
+    (facts_run / "config.json").write_text(json.dumps(redigest(config)))
     with pytest.raises(ExportError, match="task_settings lacks facts_n_distractors"):
         evaluate(facts_run, methods=["cold_read"])
     del config["task_settings"]
-    (facts_run / "config.json").write_text(json.dumps(config))
+    (facts_run / "config.json").write_text(json.dumps(redigest(config)))
     with pytest.raises(ExportError, match="records no task_settings"):
         evaluate(facts_run, methods=["cold_read"])
     config["task"] = "babi:1"  # a bAbI run needs no facts settings unless facts is asked for
-    (facts_run / "config.json").write_text(json.dumps(config))
+    (facts_run / "config.json").write_text(json.dumps(redigest(config)))
     with pytest.raises(ExportError, match="records no task_settings"):
         evaluate(facts_run, methods=["cold_read"], tasks=["facts"])
     monkeypatch.undo()

@@ -23,6 +23,7 @@ from ilcp.lm import LM
 from ilcp.receiver.prompts import cold_read_prompt, context_slot_prompt, question_prompt
 from ilcp.rclc.hf import context_limit
 from ilcp.tasks import load_babi
+from ilcp.export_integrity import redigest
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = {"max_new_tokens": 3, "batch_size": 4, "lengths": ()}
@@ -228,7 +229,7 @@ def test_tuned_without_cold_read_tuned_is_skipped(run_dir, tiny_lm, tmp_path):
     shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns("stages", "logs", "cache"))
     config = json.loads((partial / "config.json").read_text())
     del config["files"]["cold_read_tuned"]
-    (partial / "config.json").write_text(json.dumps(config))
+    (partial / "config.json").write_text(json.dumps(redigest(config)))
     notes = []
     results = evaluate(partial, methods=["rclc:cacheback:r4:tuned", "rclc:cacheback:r4"], limit=2, latency_n=0,
                        lm=tiny_lm, log=notes.append, **FAST)

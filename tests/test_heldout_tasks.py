@@ -13,6 +13,7 @@ import pytest
 from ilcp import cli
 from ilcp.config import load_config
 from ilcp.tasks import MixTask, held_out, load_task, resolve_task
+from ilcp.export_integrity import redigest
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 from test_bad_inputs import cli_error, listing
@@ -194,7 +195,7 @@ def test_the_export_records_the_held_out_tasks_and_eval_reports_them_held_out(ru
     assert seen(runs.every.run_dir) == {"babi:1": True, "babi:2": True}
     # an export whose task still names the held-out part reports it held out
     edited = Path(shutil.copytree(runs.held.run_dir, tmp_path / "edited"))
-    (edited / "config.json").write_text(json.dumps({**config, "task": "babi:1+2"}))
+    (edited / "config.json").write_text(json.dumps(redigest({**config, "task": "babi:1+2"})))
     assert seen(edited) == {"babi:1": True, "babi:2": False}
 
 
@@ -218,7 +219,7 @@ def test_eval_refuses_a_bad_heldout_entry_and_a_bad_mix_in_one_line(runs, tmp_pa
     for entry, words in ((["trivia"], ["config.json: heldout_tasks: unknown task 'trivia'"]),
                          ("babi:2", ["config.json: heldout_tasks must be a list of task names, got 'babi:2'"])):
         run = Path(shutil.copytree(runs.held.run_dir, tmp_path / "run"))
-        (run / "config.json").write_text(json.dumps({**config, "heldout_tasks": entry}))
+        (run / "config.json").write_text(json.dumps(redigest({**config, "heldout_tasks": entry})))
         before = listing(tmp_path)
         code, line = cli_error(cli.eval_main, ["--ckpt", str(run), *quick], capsys)
         assert code == 2 and all(word in line for word in words), line

@@ -18,6 +18,7 @@ from ilcp.training import ReconstructionModule, train
 from ilcp.training.data import HandoffRows, collate_rows, heldout_values, word_tokens
 from ilcp.training.extraction import token_states
 from ilcp.training.handoff_stage import attach_projector
+from ilcp.export_integrity import redigest
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 CONTEXTS = ["Cedar is owned by Alice.", "Maple is owned by Bruno.", "Willow is owned by Chen.",
@@ -134,7 +135,7 @@ def test_a_concat_codec_run_exports_reloads_and_sends_one_latent_per_chunk(tmp_p
     tampered = tmp_path / "tampered"
     shutil.copytree(result.run_dir, tampered)
     bad = dict(config, pooling={k: v for k, v in config["pooling"].items() if k != "chunk_tokens"})
-    (tampered / "config.json").write_text(json.dumps(bad))
+    (tampered / "config.json").write_text(json.dumps(redigest(bad)))
     with pytest.raises(ExportError, match="chunk_tokens"):
         read_config(tampered)
 

@@ -17,6 +17,7 @@ from ilcp.handoff import ILCPHandoff
 from ilcp.training import train
 from ilcp.training.handoff_stage import attach_projector
 from ilcp.training.pipeline import training_order
+from ilcp.export_integrity import redigest
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -130,16 +131,16 @@ def test_a_snapping_run_reads_cold_read_tuned_vectors_exports_and_reloads(tmp_pa
     assert isinstance(handoff.receive(wire, "Where is Mary?"), str)
     tampered = tmp_path / "tampered"
     shutil.copytree(result.run_dir, tampered)
-    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "round",
-                                                                                   "temperature": 0.1})))
+    (tampered / "config.json").write_text(json.dumps(redigest(dict(config, vocabulary_snap={"mode": "round",
+                                                                                   "temperature": 0.1}))))
     with pytest.raises(ExportError, match="vocabulary_snap.mode"):
         read_config(tampered)
-    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1,
-                                                                                   "metric": "l2"})))
+    (tampered / "config.json").write_text(json.dumps(redigest(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1,
+                                                                                   "metric": "l2"}))))
     with pytest.raises(ExportError, match="vocabulary_snap.metric"):
         read_config(tampered)
     # an export written before the metric existed snapped by cosine
-    (tampered / "config.json").write_text(json.dumps(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1})))
+    (tampered / "config.json").write_text(json.dumps(redigest(dict(config, vocabulary_snap={"mode": "hard", "temperature": 0.1}))))
     assert ILCPHandoff.from_pretrained(tampered, lm=tiny_lm).encoder.snap_metric == "cosine"
 
 

@@ -286,16 +286,16 @@ def _split_rows(source: FileSource, columns: dict, task: str, validation_fractio
                                               f"got {_kind(target)}")
                 rows = given.setdefault(target, [])
                 rows.append((_standard(raw, mapping, task, target, len(rows), stem), raw))
+    if not set(given) <= {"all"} and "train" not in given:
+        origin = ", ".join(str(p) for _, p in source.paths)
+        raise TaskFormatError(f"{origin}: no train split (name a train file, or drop the per-split names to carve "
+                              "splits from all rows)")
     if not allow_overlap and not set(given) <= {"all"}:
         _check_apart(source, given)
     for rows in given.values():  # answers are joined back to rows within a split
         _check_unique(rows, has_ids)
     if set(given) <= {"all"}:  # nothing says which row is which split
         return _carve(given.get("all", []), validation_fraction, test_fraction, seed)
-    if "train" not in given:
-        origin = ", ".join(str(p) for _, p in source.paths)
-        raise TaskFormatError(f"{origin}: no train split (name a train file, or drop the per-split names to carve "
-                              "splits from all rows)")
     missing = [s for s in ("validation", "test") if s not in given]
     if missing:  # carved from train, by whole contexts
         carved = _carve(given["train"], validation_fraction if "validation" in missing else 0.0,
