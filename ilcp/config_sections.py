@@ -156,6 +156,9 @@ class CompressorConfig:
     slot_adapter_rank: int = _f(0, "with pooling=slots, rank of low-rank adapters on the sender LM's layers, active "
                                    "for the slot positions only (0 = none: the slots alone learn)")
     slot_adapter_targets: list = _f(["q_proj", "v_proj"], "the LM's linear layers (by name) the slot adapters adapt")
+    init_from: str = _f("", "start the encoder (projector included) from a pretrained encoder or a run's export "
+                            "folder instead of stage 1; its LM fingerprint and digests are checked, and its "
+                            "settings must be this run's")
 
     def __post_init__(self):
         for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):

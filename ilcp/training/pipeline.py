@@ -37,6 +37,7 @@ from ..lm import LM, load_lm
 from ..precision import hold
 from ..progress import keep_talking, lines
 from .compressor_stage import train_compressor
+from .init_from import pretrained_encoder
 from .data import HandoffDataModule, latent_bound, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
@@ -239,11 +240,16 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
         clock.done("lm")
         if cfg.handoff.format_from not in ("", "cold_read_tuned"):
             format_vectors_from(cfg.handoff.format_from, lm)  # another run's vectors: refused before any stage
+        pretrained = (pretrained_encoder(cfg, lm, max_length)  # refused before any stage too
+                      if cfg.compressor.init_from and "ilcp" in cfg.handoff.variants else None)
         train_rows, val_rows = prepare_data(cfg, lm)
     clock.done("data")
     encoder, compressor_metrics, reconstruct_metrics = None, {}, {}
     if "ilcp" in cfg.handoff.variants:
-        encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
+        if pretrained is not None:
+            encoder, compressor_metrics = pretrained, {"init_from": cfg.compressor.init_from}
+        else:
+            encoder, compressor_metrics = train_compressor(cfg, lm, train_rows, val_rows, resume)
         clock.done("compressor")
         if cfg.reconstruct.enabled:
             reconstruct_metrics = train_reconstruction(cfg, lm, encoder, train_rows, val_rows, resume)

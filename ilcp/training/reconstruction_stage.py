@@ -299,12 +299,14 @@ class ReconstructionModule(HandoffModule):
 
 def train_reconstruction(cfg: TrainConfig, lm: LM, encoder: ILCPEncoder, train: HandoffRows, val: HandoffRows,
                          resume: bool) -> dict:
-    """Run the reconstruction stage on `encoder` in place (it gets its projector here); metrics."""
+    """Run the reconstruction stage on `encoder` in place (it gets its projector here, unless it
+    has one: `ilcp.training.init_from`); metrics."""
     r = cfg.reconstruct
     stage_dir = cfg.run_dir / "stages" / STAGE
     done = stage_dir / f"{STAGE}.safetensors"
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    attach_projector(encoder, cfg.handoff, lm)
+    if encoder.projector is None:  # an encoder started from a pretrained one keeps its own
+        attach_projector(encoder, cfg.handoff, lm)
     if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         export.load_encoder_state(encoder, load_file(str(done)), source=str(done))
         say("reconstruction: finished earlier, loaded")
