@@ -202,6 +202,11 @@ def encoder_memory(handoff: ILCPHandoff, text: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ the cells
 
 
+def row_order(source: str, length: int, memory: str, k: int) -> tuple:
+    """Sources in `SOURCES` order, then lengths, the ceiling's K before the encoders."""
+    return SOURCES.index(source), length, memory != CEILING, memory, k
+
+
 def summarize(cells: list[dict]) -> list[dict]:
     """Per source, length and memory (the ceiling at K, or an encoder): means over its texts."""
     groups: dict[tuple, list[dict]] = {}
@@ -209,8 +214,9 @@ def summarize(cells: list[dict]) -> list[dict]:
         for text in cell["texts"]:
             groups.setdefault((text["source"], cell["length"], cell["memory"], cell["k"]), []).append(text)
     rows = []
-    for (source, length, memory, k), texts in sorted(groups.items(), key=lambda g: (SOURCES.index(g[0][0]),) + g[0][1:]):
-        rows.append({"source": source, "L": length, "memory": memory, "K": k, "tokens_per_vector": round(length / k, 2),
+    for (source, length, memory, k), texts in sorted(groups.items(), key=lambda g: row_order(*g[0])):
+        per_vector = statistics.mean(length / t.get("vectors", k) for t in texts)
+        rows.append({"source": source, "L": length, "memory": memory, "K": k, "tokens_per_vector": round(per_vector, 2),
                      "texts": len(texts),
                      "token_accuracy": round(statistics.mean(t["token_accuracy"] for t in texts), 4),
                      "exact_pct": round(100 * statistics.mean(t["exact"] for t in texts), 1),
@@ -231,7 +237,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 def text_records(texts, figures, ce, tokenizer, vectors=None) -> list[dict]:
     return [{"source": t["source"], "index": t["index"], "text": tokenizer.decode(t["ids"]), **f,
-             "ce_without_memory": round(c, 4), **({} if vectors is None else {"vectors": v})}
+             "ce_without_memory": round(c, 4),
+             **({} if vectors is None else {"vectors": v, "tokens_per_vector": round(len(t["ids"]) / v, 2)})}
             for t, f, c, v in zip(texts, figures, ce, vectors or [None] * len(texts))]
 
 
@@ -251,7 +258,7 @@ def encoder_cell(lm, handoff, name, texts, instruction, ce) -> dict:
     figures = read_back(lm, memories, ids, instruction)
     vectors = [int(m.shape[0]) for m in memories]
     return {"memory": name, "length": len(ids[0]), "k": Counter(vectors).most_common(1)[0][0],
-            "memory_kind": handoff.spec.memory, "seconds": round(time.perf_counter() - start, 1),
+            "memory_kind": handoff.spec.memory.name, "seconds": round(time.perf_counter() - start, 1),
             "texts": text_records(texts, figures, ce, lm.tokenizer, vectors)}
 
 
@@ -269,7 +276,7 @@ def draw(rows: list[dict], path: Path, lm_spec: str) -> None:
     points: dict[tuple, dict[float, list[float]]] = {}
     for r in rows:
         key = (r["memory"], r["K"]) if r["memory"] == CEILING else (r["memory"], None)
-        points.setdefault(key, {}).setdefault(r["L"] / r["K"], []).extend([r["token_accuracy"]] * r["texts"])
+        points.setdefault(key, {}).setdefault(r["tokens_per_vector"], []).extend([r["token_accuracy"]] * r["texts"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (memory, k), by_x in sorted(points.items(), key=lambda p: (p[0][0] != CEILING, p[0][0], p[0][1] or 0)):
         xs = sorted(by_x)
@@ -300,13 +307,17 @@ def write_readme(out: Path) -> Path:
 
 
 def positive(kind):
+    """An argparse type: a positive int or float."""
+    what = "integer" if kind is int else "number"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected an {what}, got {text!r}" if kind is int
+                                             else f"expected a {what}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {text!r}")
         return value
     return parse
 
@@ -379,8 +390,9 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
                      "lr": args.lr, "seed": args.seed, "threads": torch.get_num_threads(),
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
                      "encoders": [str(r) for r in args.encoder], "sources": list(SOURCES)},
-        "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory,
-                      "memory_vectors": h.num_memory_tokens, "max_length": h.max_length} for name, h in handoffs.items()],
+        "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.name,
+                      "pooling": h.spec.memory.pooling_entries(), "memory_vectors": h.num_memory_tokens,
+                      "max_length": h.max_length} for name, h in handoffs.items()],
         "summary": rows,
         "cells": cells,
     }
