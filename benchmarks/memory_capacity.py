@@ -42,7 +42,7 @@ from ilcp.export import ExportError
 from ilcp.handoff import ILCPHandoff
 from ilcp.io import atomic_write_json, atomic_write_text
 from ilcp.lm import DEFAULT_LM, LM, LMLoadError, load_lm
-from ilcp.provenance import provenance
+from ilcp.provenance import command_line, provenance
 from ilcp.receiver.decoding import greedy_decode_ids
 from ilcp.receiver.prefix import receiver_prefix
 from ilcp.receiver.prompts import reconstruction_prompt
@@ -382,8 +382,9 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
                   f"{len(cell['texts'])}; cell {cell['seconds']:.0f}s, {time.perf_counter() - start:.0f}s in all",
                   flush=True)
     rows = summarize(cells)
+    command = command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
     report = {
-        "provenance": provenance(), "lm": lm.spec, "hidden_size": lm.hidden_size,
+        "provenance": provenance(command), "lm": lm.spec, "hidden_size": lm.hidden_size,
         "platform": platform.platform(),
         "seconds": round(time.perf_counter() - start, 1),
         "settings": {"lengths": args.lengths, "ks": args.ks, "texts_per_source": args.texts, "steps": args.steps,
