@@ -18,6 +18,7 @@ and the text's cross-entropy without memory (the receiver reading the instructio
     OMP_NUM_THREADS=1 python benchmarks/memory_capacity.py --texts 4 --lengths 16 32 64 --steps 100
     python benchmarks/memory_capacity.py --lm tiny-qwen3 --lengths 8 --ks 1 2 --texts 2 --steps 10 --out /tmp/mc
     python benchmarks/memory_capacity.py --encoder checkpoints/default --encoder checkpoints/general
+    python benchmarks/memory_capacity.py --sources squad --lengths 32 --ks 4 --texts 4 --steps 200
 
 It writes memory_capacity.json (every cell and text, the settings, the LM, the provenance),
 memory_capacity.png (token accuracy against tokens per vector) and the folder's README.md (the
@@ -77,11 +78,11 @@ def source_texts(source: str) -> list[str]:
     raise ValueError(f"unknown source {source!r}; known: {', '.join(SOURCES)}")
 
 
-def held_out_texts(tokenizer, lengths, n: int, seed: int = 0) -> dict[int, list[dict]]:
+def held_out_texts(tokenizer, lengths, n: int, seed: int = 0, sources=SOURCES) -> dict[int, list[dict]]:
     """For each length L: up to ``n`` texts per source, each as its first L token ids, drawn in a
     seeded order of the source's texts; a text shorter than L is skipped."""
     out: dict[int, list[dict]] = {length: [] for length in lengths}
-    for source in SOURCES:
+    for source in sources:
         texts = source_texts(source)
         order = list(range(len(texts)))
         random.Random(f"{seed}:{source}").shuffle(order)
@@ -328,6 +329,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=positive(int), nargs="+", default=[16, 32, 64, 128], help="L, text tokens")
     p.add_argument("--ks", type=positive(int), nargs="+", default=[1, 2, 4, 8], help="K, memory vectors (ceiling)")
     p.add_argument("--texts", type=positive(int), default=4, help="texts per source and length")
+    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES), help="the texts' sources")
     p.add_argument("--steps", type=int, default=200, help="Adam steps of the ceiling's vectors")
     p.add_argument("--lr", type=positive(float), default=3e-2, help="Adam's learning rate for the ceiling")
     p.add_argument("--encoder", action="append", default=[], metavar="RUN", help="a run directory (repeatable)")
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     instruction = instruction_ids(lm.tokenizer)
-    texts = held_out_texts(lm.tokenizer, args.lengths, args.texts, args.seed)
+    texts = held_out_texts(lm.tokenizer, args.lengths, args.texts, args.seed, args.sources)
     start, cells = time.perf_counter(), []
     plan = [(length, k) for length in args.lengths for k in ([] if args.no_ceiling else args.ks)]
     print(f"memory capacity: {lm.spec}, {torch.get_num_threads()} threads, {len(plan)} ceiling cells and "
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         "settings": {"lengths": args.lengths, "ks": args.ks, "texts_per_source": args.texts, "steps": args.steps,
                      "lr": args.lr, "seed": args.seed, "threads": torch.get_num_threads(),
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
-                     "encoders": [str(r) for r in args.encoder], "sources": list(SOURCES)},
+                     "encoders": [str(r) for r in args.encoder], "sources": args.sources},
         "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.name,
                       "pooling": h.spec.memory.pooling_entries(), "memory_vectors": h.num_memory_tokens,
                       "max_length": h.max_length} for name, h in handoffs.items()],

@@ -39,6 +39,7 @@ def test_texts_are_cut_to_their_first_l_tokens_and_shorter_ones_left_out(tiny_lm
     assert [t["source"] for t in texts[8]] == ["squad", "squad", "background", "background", "babi", "babi"]
     assert all(len(t["ids"]) == 8 for t in texts[8]) and texts[100_000] == []
     assert mc.held_out_texts(tiny_lm.tokenizer, [8], 2)[8] == texts[8]  # seeded
+    assert mc.held_out_texts(tiny_lm.tokenizer, [8], 2, sources=["babi"])[8] == texts[8][4:]
 
 
 def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, tiny_lm, tiny_run, capsys):
@@ -71,6 +72,7 @@ def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, t
     (["--ks", "0"], "expected a positive integer"),
     (["--lengths", "x"], "expected an integer, got 'x'"),
     (["--lr", "0"], "expected a positive number"),
+    (["--sources", "wiki"], "invalid choice: 'wiki'"),
     (["--steps", "-1"], "--steps must be 0 or more"),
     (["--encoder", "/nonexistent/run"], "no config.json there"),
 ])
