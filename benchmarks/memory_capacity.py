@@ -273,6 +273,7 @@ def draw(rows: list[dict], path: Path, lm_spec: str) -> None:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     points: dict[tuple, dict[float, list[float]]] = {}
     for r in rows:
@@ -285,6 +286,7 @@ def draw(rows: list[dict], path: Path, lm_spec: str) -> None:
         style = "-o" if memory == CEILING else "--s"
         ax.plot(xs, [statistics.mean(by_x[x]) for x in xs], style, label=label)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
     ax.set_xlabel("tokens per vector (L / K)")
     ax.set_ylabel("teacher-forced token accuracy")
     ax.set_ylim(0, 1.02)
