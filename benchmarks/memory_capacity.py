@@ -51,7 +51,7 @@ from ilcp.tasks import babi_stories, load_task
 from ilcp.tasks.background import background_sentences
 
 SOURCES = ("squad", "background", "babi")
-JSON_NAME, PLOT_NAME = "memory_capacity.json", "memory_capacity.png"
+JSON_NAME, TABLE_NAME, PLOT_NAME = "memory_capacity.json", "memory_capacity.md", "memory_capacity.png"
 PASSAGE_WORDS = 160  # a background passage: consecutive sentences of one book up to this many words
 CEILING = "ceiling"
 
@@ -228,6 +228,7 @@ def summarize(cells: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """The summary as markdown: a row per source, length and memory, means over its texts."""
     lines = ["| source | L | memory | K | tokens per vector | texts | token accuracy | exact % | prefix | loss "
              "| CE without memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['source']} | {r['L']} | {r['memory']} | {r['K']} | {r['tokens_per_vector']:g} | {r['texts']} "
@@ -296,6 +297,16 @@ def draw(rows: list[dict], path: Path, lm_spec: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def table_document(report: dict) -> str:
+    """memory_capacity.md: the command, then the summary table."""
+    settings = report["settings"]
+    return (f"# Memory capacity: {report['lm']}, {settings['steps']} Adam steps for the ceiling\n\n"
+            f"```bash\n{report['provenance']['command']}\n```\n\n"
+            "Means over each row's texts: token accuracy and loss (nats a token) teacher-forced, exact % of "
+            "greedy reconstructions, prefix the correct greedy tokens, CE without memory the text's loss after "
+            "the instruction alone.\n\n" + markdown_table(report["summary"]) + "\n")
 
 
 def write_readme(out: Path) -> Path:
@@ -402,10 +413,11 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         "cells": cells,
     }
     atomic_write_json(out / JSON_NAME, report)
+    atomic_write_text(out / TABLE_NAME, table_document(report))
     draw(rows, out / PLOT_NAME, lm.spec)
     readme = write_readme(out)
     print(markdown_table(rows), flush=True)
-    print(f"wrote {out / JSON_NAME}, {out / PLOT_NAME} and {readme}", flush=True)
+    print(f"wrote {out / JSON_NAME}, {out / TABLE_NAME}, {out / PLOT_NAME} and {readme}", flush=True)
     return 0
 
 

@@ -49,6 +49,8 @@ def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, t
     assert code == 0
     data = json.loads((out / mc.JSON_NAME).read_text())
     assert (out / mc.PLOT_NAME).stat().st_size > 0
+    table = (out / mc.TABLE_NAME).read_text()
+    assert "| source | L | memory | K | tokens per vector |" in table and "| squad | 8 | ceiling | 2 | 4 | 2 |" in table
     readme = (out / "README.md").read_text()
     assert "## How it was made" in readme and mc.PLOT_NAME in readme
     assert data["lm"] == "tiny-qwen3" and data["settings"]["steps"] == 10
