@@ -1,0 +1,86 @@
+"""benchmarks/memory_capacity.py on the tiny LM: vectors optimized against the frozen receiver read
+back better than random ones of the same norm, and the command writes its JSON, README and plot,
+with an encoder's figures beside the ceiling's."""
+
+import json
+
+import pytest
+import torch
+
+from tests._benchmarks import load_benchmark
+from tests.conftest import raw_weight_digest
+
+mc = load_benchmark("memory_capacity")
+
+
+def test_the_ceiling_beats_a_random_memory_of_the_same_norm(tiny_lm):
+    tok = tiny_lm.tokenizer
+    text = tok("Mary moved to the hallway. John went to the garden.", add_special_tokens=False)["input_ids"][:8]
+    instruction = mc.instruction_ids(tok)
+    before = raw_weight_digest(tiny_lm.model)
+    random_memory = mc.random_memory(tiny_lm, 1, 2)
+    optimized = mc.optimized_memory(tiny_lm, [text], 2, instruction, steps=40, lr=3e-2)
+    assert raw_weight_digest(tiny_lm.model) == before  # only the vectors moved
+    assert torch.allclose(random_memory[0].norm(dim=-1), torch.full((2,), mc.embedding_norm(tiny_lm)))
+    random_figures = mc.read_back(tiny_lm, list(random_memory), [text], instruction)[0]
+    ceiling = mc.read_back(tiny_lm, list(optimized), [text], instruction)[0]
+    assert ceiling["loss"] < random_figures["loss"]
+    assert 0 <= ceiling["prefix"] <= len(text) and ceiling["exact"] == (ceiling["prefix"] == len(text))
+
+
+def test_the_greedy_prefix_counts_tokens_before_the_first_mismatch():
+    assert mc.greedy_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert mc.greedy_prefix([1, 2], [1, 2, 3]) == 2
+    assert mc.greedy_prefix([5], [1]) == 0
+
+
+def test_texts_are_cut_to_their_first_l_tokens_and_shorter_ones_left_out(tiny_lm):
+    texts = mc.held_out_texts(tiny_lm.tokenizer, [8, 100_000], 2)
+    assert [t["source"] for t in texts[8]] == ["squad", "squad", "background", "background", "babi", "babi"]
+    assert all(len(t["ids"]) == 8 for t in texts[8]) and texts[100_000] == []
+    assert mc.held_out_texts(tiny_lm.tokenizer, [8], 2)[8] == texts[8]  # seeded
+    assert mc.held_out_texts(tiny_lm.tokenizer, [8], 2, sources=["babi"])[8] == texts[8][4:]
+
+
+def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, tiny_lm, tiny_run, capsys):
+    out = tmp_path / "memory-capacity"
+    code = mc.main(["--lm", "tiny-qwen3", "--lengths", "8", "--ks", "1", "2", "--texts", "2", "--steps", "10",
+                    "--encoder", str(tiny_run.run_dir), "--out", str(out)], lm=tiny_lm)
+    assert code == 0
+    data = json.loads((out / mc.JSON_NAME).read_text())
+    assert (out / mc.PLOT_NAME).stat().st_size > 0
+    table = (out / mc.TABLE_NAME).read_text()
+    assert "| source | L | memory | K | tokens per vector |" in table and "| squad | 8 | ceiling | 2 | 4 | 2 |" in table
+    readme = (out / "README.md").read_text()
+    assert "## How it was made" in readme and mc.PLOT_NAME in readme
+    assert data["lm"] == "tiny-qwen3" and data["settings"]["steps"] == 10
+    assert data["provenance"]["date"] and data["provenance"]["machine"] and data["provenance"]["command"]
+    assert data["provenance"]["command"].startswith("python ") and "--ks 1 2 --texts 2" in data["provenance"]["command"]
+    name = tiny_run.run_dir.name
+    assert [(c["memory"], c["k"]) for c in data["cells"]][:2] == [("ceiling", 1), ("ceiling", 2)]
+    encoder = [c for c in data["cells"] if c["memory"] == name]
+    assert len(encoder) == 1 and len(encoder[0]["texts"]) == 6
+    for text in encoder[0]["texts"]:
+        assert {"token_accuracy", "loss", "exact", "prefix", "ce_without_memory", "vectors"} <= set(text)
+        assert text["vectors"] >= 1
+    assert data["encoders"][0]["name"] == name
+    rows = {(r["source"], r["memory"], r["K"]) for r in data["summary"]}
+    assert ("squad", "ceiling", 2) in rows and ("babi", name, encoder[0]["k"]) in rows
+    log = capsys.readouterr().out
+    assert "L=8 ceiling K=1" in log and f"L=8 {name} K=" in log and "| source | L |" in log
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ks", "0"], "expected a positive integer"),
+    (["--lengths", "x"], "expected an integer, got 'x'"),
+    (["--lr", "0"], "expected a positive number"),
+    (["--sources", "wiki"], "invalid choice: 'wiki'"),
+    (["--steps", "-1"], "--steps must be 0 or more"),
+    (["--encoder", "/nonexistent/run"], "no config.json there"),
+])
+def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        mc.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
