@@ -40,8 +40,9 @@ def settings_it_needs(cfg: TrainConfig, spec: EncoderSpec) -> dict[str, tuple]:
     if kind != "slots":
         ours["compressor.chunk_tokens"] = (c.chunk_tokens, pooling.get("chunk_tokens", 0))
     else:
-        for name in ("tokens_per_slot", "min_slots", "max_slots"):
-            ours[f"compressor.{name}"] = (getattr(c, name), pooling[name])
+        ours["compressor.tokens_per_slot"] = (c.tokens_per_slot, pooling["tokens_per_slot"])
+        ours["compressor.min_slots"] = (c.min_slots, pooling["min_slots"])
+        ours["compressor.max_slots"] = (c.max_slots, pooling["max_slots"])
         ours["compressor.slot_adapter_rank"] = (c.slot_adapter_rank, pooling.get("adapter_rank", 0))
     return {name: pair for name, pair in ours.items() if pair[0] != pair[1]}
 
