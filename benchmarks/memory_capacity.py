@@ -311,6 +311,9 @@ def table_document(report: dict) -> str:
 
 def write_readme(out: Path) -> Path:
     """The folder's README.md as the results documents render it (its JSON, notes.md, plot)."""
+    repo = str(Path(__file__).resolve().parent.parent)  # ilcp_experiments sits in the checkout, not installed
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
     from ilcp_experiments.results_docs import folder_readme
 
     atomic_write_text(out / "README.md", folder_readme(out))

@@ -84,3 +84,21 @@ def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]
+
+
+def test_the_script_runs_as_its_readme_command_from_the_checkout(tmp_path):
+    """`python benchmarks/memory_capacity.py ...` as a command (the repository root is not on the
+    path then): it writes its README through ilcp_experiments all the same."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "capacity"
+    done = subprocess.run([sys.executable, "benchmarks/memory_capacity.py", "--lm", "tiny-qwen3", "--lengths", "8",
+                           "--ks", "1", "--texts", "1", "--sources", "squad", "--steps", "2", "--threads", "1",
+                           "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ILCP_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "README.md").is_file() and (out / "memory_capacity.json").is_file()
