@@ -104,9 +104,10 @@ class Sender:
             raise ValueError("cannot send an empty context (it has no tokens)")
         cut = [len(seq) for seq in ids if len(seq) > self.max_length]
         if cut:
+            # stacklevel 5: the line that called ILCPHandoff.send (through latents and the facade)
             warnings.warn(f"{len(cut)} of {len(ids)} context(s) are longer than this export's max_length of "
                           f"{self.max_length} tokens (the longest {max(cut)}): the sender reads their last "
-                          f"{self.max_length} tokens, as training did", UserWarning, stacklevel=3)
+                          f"{self.max_length} tokens, as training did", UserWarning, stacklevel=5)
             ids = [seq[-self.max_length:] for seq in ids]
         input_ids, mask = pad_right(ids, pad_id_of(self.lm.tokenizer))
         return {"input_ids": input_ids.to(self.lm.device), "attention_mask": mask.to(self.lm.device)}
@@ -238,9 +239,10 @@ class Sender:
                              "to send")
         longest = int(attention_mask.sum(-1).max())
         if longest > self.max_length:
+            # stacklevel 3: the line that called ILCPHandoff.send_from_hidden_states (through the facade)
             warnings.warn(f"the sender's forward covers {longest} tokens, more than this export's max_length of "
                           f"{self.max_length}: the encoder reads them all, though training read at most "
-                          f"{self.max_length}", UserWarning, stacklevel=2)
+                          f"{self.max_length}", UserWarning, stacklevel=3)
         with torch.no_grad(), self.compute():
             mask = attention_mask.to(self.device)
             if self.encoder.reads_sender_lm:  # memory slots read the forward's cache: N more positions
