@@ -100,8 +100,9 @@ def test_a_run_configured_to_truncate_says_so(tmp_path, tiny_lm, caplog):
     assert json.loads((result.run_dir / "config.json").read_text())["pooling"]["max_length"] == 16
     assert any("longer than data.max_length=16" in r.getMessage() for r in caplog.records)
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
-    with pytest.warns(UserWarning, match="longer than this export's max_length of 16 tokens"):
+    with pytest.warns(UserWarning, match="longer than this export's max_length of 16 tokens") as said:
         handoff.send(_context(tiny_lm, 40))
+    assert said[0].filename == __file__  # the warning points at the caller's line
     with pytest.raises(ValueError, match="data.max_length must be >= 0"):
         load_config(TINY, ["data.max_length=-1"])
 
