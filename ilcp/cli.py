@@ -152,13 +152,15 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(f"data.task: {e}")
     from .lm import LMLoadError
     from .training import train
+    from .training.state_cache import CacheChanged
 
     setup_logging()
     created = _first_missing(cfg.run_dir)
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite, discard_last=args.discard_last)
-    except (FileExistsError, FileNotFoundError, ValueError, LMLoadError) as e:
-        # an existing run, changed settings on resume, an empty split, a missing task file, an unknown LM
+    except (FileExistsError, FileNotFoundError, ValueError, LMLoadError, CacheChanged) as e:
+        # an existing run, changed settings on resume, an empty split, a missing task file, an unknown LM,
+        # a cache file rewritten under the run
         if created is not None:
             _remove_failed_start(cfg.run_dir, created)
         print(f"error: {e}", file=sys.stderr)

@@ -3,11 +3,12 @@ the data (a flipped byte, states zeroed or doubled, rows swapped, one NaN, an ed
 refused in one line naming the file and computed again, never trained on; a file without a digest
 is stale; states are finite; a file in the cache folder's place and a reused pid are named."""
 
+import gc
 import json
 import os
-import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from ilcp.config import load_config
 from ilcp.training import train
+from ilcp.training import state_cache
 from ilcp.training.extraction import cached_pooled_states, cached_token_states
 from ilcp.training.state_cache import (CacheMismatch, check_contents, clear_dead_writers, process_start,
                                        write_safetensors)
@@ -196,27 +198,85 @@ def test_a_partial_folder_of_a_reused_pid_is_cleared(tmp_path):
     assert live.is_dir() and not reused.exists() and not gone.exists()
 
 
-_TRUNCATED = """
-import sys
+_MAPPED = """
+import sys, time
 from ilcp.lm import load_lm, TINY_LM
 from ilcp.training.extraction import cached_token_states
+from ilcp.training.state_cache import CacheChanged
 
 lm = load_lm(TINY_LM)
 texts = [f"John went to room {i}. " * 40 for i in range(64)]
 states, path, _ = cached_token_states(lm, texts, [f"r{i}" for i in range(64)], {"task": "truncated"},
                                       cache_dir=sys.argv[1], progress=False)
-with open(path, "r+b") as f:
-    f.truncate(4096)  # in place, under the map
-print(float(states.flat[-1].sum()))
+print(path, flush=True)
+try:
+    while True:  # a trainer reading its rows
+        total = sum(float(states[i].sum()) for i in range(len(states)))
+except CacheChanged as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(3)
 """
 
 
-def test_a_file_truncated_under_its_map_ends_with_a_traceback_not_silently(tmp_path):
+def _truncate_when_mapped(proc: subprocess.Popen, path: Path) -> float:
+    """Truncate ``path`` in place (as another program would) while ``proc`` maps it; seconds the
+    open waited, which is how long the mapping process took to stop and let go."""
+    start = time.monotonic()
+    with open(path, "r+b") as f:  # held by the kernel while the reader holds its lease
+        waited = time.monotonic() - start
+        f.truncate(4096)
+    return waited
+
+
+def test_a_file_truncated_under_its_map_stops_its_reader_in_one_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path)], env=env, capture_output=True,
-                          timeout=300)
-    assert proc.returncode == -signal.SIGBUS, proc.stderr.decode()[-2000:]
-    assert "Bus error" in proc.stderr.decode() and "File " in proc.stderr.decode()
+    proc = subprocess.Popen([sys.executable, "-c", _MAPPED, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    path = Path(proc.stdout.readline().strip())
+    assert path.is_file(), proc.communicate(timeout=60)
+    time.sleep(0.5)  # reading
+    waited = _truncate_when_mapped(proc, path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err[-2000:]  # stopped by CacheChanged, not killed by SIGBUS (-7)
+    assert str(path) in err and "opened for writing or truncated" in err and "Bus error" not in err
+    assert waited < 10, waited  # the kernel holds the truncation only until the reader has stopped
+    assert path.stat().st_size == 4096  # and the other program's truncation then happens
+
+
+def test_train_stops_in_one_line_when_its_cache_is_truncated_under_it(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cache, out = tmp_path / "cache", tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(TINY), f"out_dir={out}",
+                             f"lm.cache_dir={cache}", "compressor.epochs=100000", "handoff.variants=[ilcp]"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines = []
+    for line in proc.stderr:  # until stage 1 trains on the mapped rows
+        lines.append(line)
+        if "stage 1 (compressor):" in line:
+            break
+    else:
+        pytest.fail("".join(lines)[-3000:])
+    train_file = max((cache / "pooled").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    time.sleep(0.5)
+    waited = _truncate_when_mapped(proc, train_file)
+    rest = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 2, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("error: the sender-state cache file ") and str(train_file) in last, rest[-3000:]
+    assert "Traceback" not in rest and "Bus error" not in rest
+    assert waited < 10, waited
+    assert not (out / "tiny" / "model.safetensors").exists()  # nothing exported
+
+
+def test_a_lease_ends_with_its_map(tmp_path, tiny_lm):
+    states, path, _ = _tokens(tiny_lm, tmp_path)
+    assert any(p == path for p in state_cache._LEASES.values())
+    del states
+    gc.collect()
+    assert not any(p == path for p in state_cache._LEASES.values())
+    with open(path, "r+b") as f:  # no lease left: an open for writing goes through at once
+        f.truncate(8)
 
 
 def _export(run_dir: Path) -> dict:

@@ -20,6 +20,7 @@ Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loadi
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -88,6 +89,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     except BaseException:
         procs.abort()
         raise
+    finally:  # the trainers' reference cycles hold the cache's maps (and their leases) until collected
+        gc.collect()
     procs.finish()
     return result
 

@@ -15,18 +15,27 @@ with a `CacheMismatch` saying why in one line. Each file carries a sha256 digest
 (layout and bytes) in its metadata, written as it streams; `check_contents` reads the file in
 blocks, compares the digest and checks every float state is finite, so damage inside the data is
 refused too (a file without a digest, from before digests, is refused as stale). A file truncated
-in place while it is mapped ends the process on the next read of the lost pages (SIGBUS): the
-first mapping enables `faulthandler`, so that ends with Python's traceback rather than silently.
+in place while mapped would end the process on the next read of the lost pages (SIGBUS), so each
+map holds a read lease on its file (`hold_lease`): another process that opens the file for writing
+or truncates it is held by the kernel (up to /proc/sys/fs/lease-break-time, 45 s) while this one
+stops with `CacheChanged`, one line naming the file. Where no lease can be taken (a file owned by
+another user, a file system without leases, a thread other than the main one) `faulthandler` is
+enabled, so a SIGBUS ends with Python's traceback rather than silently.
 The extraction that fills the cache is `ilcp.training.extraction`.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -180,6 +189,65 @@ class CacheMismatch(ValueError):
     """A cache file that is not what was asked for (one line saying why)."""
 
 
+class CacheChanged(BaseException):
+    """A mapped cache file is being opened for writing or truncated (by another process, or by this
+    one): raised from the lease's signal handler wherever this process is, so that it stops before
+    reading pages that may be gone. A BaseException, like KeyboardInterrupt, which it resembles: it
+    arrives asynchronously and must not be swallowed by an ``except Exception`` on the way out."""
+
+
+_LEASES: dict[int, Path] = {}  # descriptor -> file, for each read lease held by a live map
+_PREVIOUS_SIGIO = None
+
+
+def _lease_broken(signum, frame) -> None:
+    for fd, path in list(_LEASES.items()):
+        try:
+            broken = fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_UNLCK  # the lease being broken reads F_UNLCK
+        except OSError:
+            continue
+        if broken:
+            raise CacheChanged(f"the sender-state cache file {path} was opened for writing or truncated while this "
+                               f"process reads it; stopped before reading a changed file (nothing was exported). "
+                               f"Run again once the other writer is done, or delete the file to have it computed "
+                               f"again")
+    if callable(_PREVIOUS_SIGIO):  # a signal of someone else's
+        _PREVIOUS_SIGIO(signum, frame)
+
+
+def _release(fd: int) -> None:
+    _LEASES.pop(fd, None)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def hold_lease(path: Path, owner: object) -> bool:
+    """Hold a read lease on ``path`` for as long as ``owner`` (a map of the file) lives: an open for
+    writing or a truncate of the file then waits while this process raises `CacheChanged`. False
+    where no lease can be had (see the module's notes); the caller goes on without one."""
+    global _PREVIOUS_SIGIO
+    if threading.current_thread() is not threading.main_thread():
+        return False  # a signal handler can only be installed, and only runs, in the main thread
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:  # EAGAIN: open for writing somewhere; EACCES: not ours; EINVAL: no leases here
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK):
+            raise
+        return False
+    if signal.getsignal(signal.SIGIO) is not _lease_broken:
+        _PREVIOUS_SIGIO = signal.signal(signal.SIGIO, _lease_broken)
+    _LEASES[fd] = path
+    weakref.finalize(owner, _release, fd)
+    return True
+
+
 def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]]],
                metadata: dict[str, str] | None = None) -> dict[str, Tensor]:
     """The tensors of a safetensors cache file as read-only memory maps (copy-on-write: pages are
@@ -219,8 +287,6 @@ def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]
         raise CacheMismatch(f"{'truncated' if 8 + n + end > size else 'too long'}: {size} bytes where its header "
                             f"says {8 + n + end}")
     out = {}
-    if not faulthandler.is_enabled():  # a file truncated under its map: a traceback, not a silent death
-        faulthandler.enable()
     for name, (dtype, shape) in expect.items():
         t = header[name]
         begin, stop = (int(x) for x in t["data_offsets"])
@@ -238,6 +304,10 @@ def read_cache(path: Path, expect: dict[str, tuple[torch.dtype, list[int | None]
             if path.stat().st_size != size:  # changed since it was checked: mapped pages past its end would kill
                 raise CacheMismatch(f"it changed size while being read ({size} -> {path.stat().st_size} bytes)")
             mapped = np.memmap(path, dtype=numpy_dtype, mode="c", offset=8 + n + begin, shape=tuple(got))
+            if not hold_lease(path, mapped) and not faulthandler.is_enabled():
+                faulthandler.enable()  # a file truncated under its map: a traceback, not a silent death
+            if path.stat().st_size != size:  # changed between the check above and the lease
+                raise CacheMismatch(f"it changed size while being read ({size} -> {path.stat().st_size} bytes)")
             tensor = torch.from_numpy(mapped)
             tensor = tensor.view(view) if view is not None else tensor
         out[name] = tensor
