@@ -49,6 +49,8 @@ from ilcp.receiver.prefix import receiver_prefix
 from ilcp.receiver.prompts import reconstruction_prompt
 from ilcp.tasks import babi_stories, load_task
 from ilcp.tasks.background import background_sentences
+from ilcp.wire.dtypes import DTYPES
+from ilcp.wire.payload import pack
 
 SOURCES = ("squad", "background", "babi")
 JSON_NAME, TABLE_NAME, PLOT_NAME = "memory_capacity.json", "memory_capacity.md", "memory_capacity.png"
@@ -194,10 +196,19 @@ def optimized_memory(lm: LM, texts, k: int, instruction, *, steps: int, lr: floa
     return memory.detach()
 
 
-def encoder_memory(handoff: ILCPHandoff, text: str) -> torch.Tensor:
-    """The memory vectors (K, H) an export's receiver reads for ``text`` sent by its sender."""
-    memory = handoff.memory_vectors(handoff.send(text), contexts=1)
+def encoder_memory(handoff: ILCPHandoff, text: str, dtype: str = "float32") -> torch.Tensor:
+    """The memory vectors (K, H) an export's receiver reads for ``text`` sent by its sender, the
+    latent crossing as bytes in the payload dtype ``dtype`` (`ilcp.wire.dtypes`)."""
+    sent = handoff.send(text)
+    wire = pack(sent.latent.float(), lm_fingerprint=sent.lm_fingerprint, dtype=dtype).to_bytes()
+    memory = handoff.memory_vectors(wire, contexts=1)
     return memory.reshape(-1, memory.shape[-1])
+
+
+def encoder_name(run: str, dtype: str) -> str:
+    """An encoder's name in the tables: its run folder's, with the payload dtype unless float32."""
+    name = Path(run).name or run
+    return name if dtype == "float32" else f"{name} ({dtype})"
 
 
 # ------------------------------------------------------------------------------------ the cells
@@ -253,14 +264,14 @@ def ceiling_cell(lm, texts, k, instruction, ce, args) -> dict:
             "seconds": round(time.perf_counter() - start, 1), "texts": text_records(texts, figures, ce, lm.tokenizer)}
 
 
-def encoder_cell(lm, handoff, name, texts, instruction, ce) -> dict:
+def encoder_cell(lm, handoff, name, texts, instruction, ce, dtype: str = "float32") -> dict:
     start = time.perf_counter()
     ids = [t["ids"] for t in texts]
-    memories = [encoder_memory(handoff, lm.tokenizer.decode(i)) for i in ids]
+    memories = [encoder_memory(handoff, lm.tokenizer.decode(i), dtype) for i in ids]
     figures = read_back(lm, memories, ids, instruction)
     vectors = [int(m.shape[0]) for m in memories]
     return {"memory": name, "length": len(ids[0]), "k": Counter(vectors).most_common(1)[0][0],
-            "memory_kind": handoff.spec.memory.name, "seconds": round(time.perf_counter() - start, 1),
+            "memory_kind": handoff.spec.memory.name, "payload_dtype": dtype, "seconds": round(time.perf_counter() - start, 1),
             "texts": text_records(texts, figures, ce, lm.tokenizer, vectors)}
 
 
@@ -349,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="Adam steps of the ceiling's vectors")
     p.add_argument("--lr", type=positive(float), default=3e-2, help="Adam's learning rate for the ceiling")
     p.add_argument("--encoder", action="append", default=[], metavar="RUN", help="a run directory (repeatable)")
+    p.add_argument("--payload-dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
+                   help="each encoder's latent crosses as bytes in each of these payload dtypes")
     p.add_argument("--no-ceiling", action="store_true", help="measure the encoders only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results/memory-capacity", help="the folder written")
@@ -368,7 +381,8 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         lm = load_lm(args.lm) if lm is None else lm
-        handoffs = {Path(run).name or run: ILCPHandoff.from_pretrained(run, lm=lm) for run in args.encoder}
+        loaded = {run: ILCPHandoff.from_pretrained(run, lm=lm) for run in args.encoder}
+        handoffs = {encoder_name(run, dtype): (h, dtype) for run, h in loaded.items() for dtype in args.payload_dtypes}
     except (ExportError, LMLoadError, ValueError) as e:
         print(f"memory_capacity: {e}", file=sys.stderr)
         return 2
@@ -392,7 +406,8 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
             if kind == "ceiling":
                 cell = ceiling_cell(lm, chosen, which, instruction, ce, args)
             else:
-                cell = encoder_cell(lm, handoffs[which], which, chosen, instruction, ce)
+                handoff, dtype = handoffs[which]
+                cell = encoder_cell(lm, handoff, which, chosen, instruction, ce, dtype)
             cells.append(cell)
             acc = statistics.mean(t["token_accuracy"] for t in cell["texts"])
             exact = sum(t["exact"] for t in cell["texts"])
@@ -408,10 +423,12 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         "settings": {"lengths": args.lengths, "ks": args.ks, "texts_per_source": args.texts, "steps": args.steps,
                      "lr": args.lr, "seed": args.seed, "threads": torch.get_num_threads(),
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
-                     "encoders": [str(r) for r in args.encoder], "sources": args.sources},
+                     "encoders": [str(r) for r in args.encoder], "sources": args.sources,
+                     "payload_dtypes": args.payload_dtypes},
         "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.name,
                       "pooling": h.spec.memory.pooling_entries(), "memory_vectors": h.num_memory_tokens,
-                      "max_length": h.max_length} for name, h in handoffs.items()],
+                      "latent_dim": h.spec.latent_dim, "payload_dtype": dtype, "max_length": h.max_length}
+                     for name, (h, dtype) in handoffs.items()],
         "summary": rows,
         "cells": cells,
     }

@@ -66,6 +66,9 @@ class TrainConfig:
             raise ValueError("reconstruct.token_steps / token_weight read chunks of tokens, not memory slots")
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
+        if self.handoff.max_steps == 0 and not (self.reconstruct.enabled or self.compressor.init_from):
+            raise ValueError("handoff.max_steps=0 exports the encoder without an answer stage: it needs a pretraining "
+                             "stage (reconstruct.steps > 0) or compressor.init_from to have trained it")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (
                 self.compressor.chunk_tokens > 0 and self.handoff.num_memory_tokens == self.compressor.chunk_tokens):
             raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk as its j-th token: "

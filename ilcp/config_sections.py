@@ -215,7 +215,8 @@ class HandoffConfig:
                                            "'cold_read_tuned' (reading it behind this run's cold_read_tuned vectors, "
                                            "trained first)")
     joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
-    max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants)")
+    max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants); 0 with variants [ilcp] "
+                             "and reconstruct.steps > 0: no answer stage, the encoder is exported as pretrained")
     batch_size: int = _f(8, "stage-2 batch size")
     lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt")
     encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on")
@@ -253,9 +254,13 @@ class HandoffConfig:
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"handoff.variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants!r}")
-        for name in ("num_memory_tokens", "projector_hidden", "max_steps", "batch_size", "val_every_steps", "max_new_tokens"):
+        for name in ("num_memory_tokens", "projector_hidden", "batch_size", "val_every_steps", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps < 0 or (self.max_steps == 0 and self.variants != ["ilcp"]):
+            raise ValueError(f"handoff.max_steps must be >= 1 (0 only with handoff.variants=[ilcp]: a pretraining run "
+                             f"that exports its encoder as the reconstruction stage left it), got {self.max_steps} "
+                             f"with variants {self.variants}")
         if self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
         if self.format_vectors < 0 or (self.format_vectors and self.memory_placement == "prefix"):

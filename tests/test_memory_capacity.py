@@ -102,3 +102,26 @@ def test_the_script_runs_as_its_readme_command_from_the_checkout(tmp_path):
                           env={**os.environ, "ILCP_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "README.md").is_file() and (out / "memory_capacity.json").is_file()
+
+
+def test_an_encoder_read_through_each_payload_dtype(tmp_path, tiny_lm, tiny_run):
+    """Each payload dtype's bytes cross the wire: float16 reads back the float32 figures within its
+    rounding, int8 is named apart, and the memory itself is what the bytes carry."""
+    out = tmp_path / "dtypes"
+    assert mc.main(["--lm", "tiny-qwen3", "--lengths", "8", "--texts", "2", "--no-ceiling", "--encoder",
+                    str(tiny_run.run_dir), "--payload-dtypes", "float32", "float16", "int8", "--out", str(out)],
+                   lm=tiny_lm) == 0
+    data = json.loads((out / mc.JSON_NAME).read_text())
+    name = tiny_run.run_dir.name
+    assert [c["memory"] for c in data["cells"]] == [name, f"{name} (float16)", f"{name} (int8)"]
+    assert [e["payload_dtype"] for e in data["encoders"]] == ["float32", "float16", "int8"]
+    full, half, quantised = data["cells"]
+    for a, b in zip(full["texts"], half["texts"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-2
+    from ilcp.handoff import ILCPHandoff
+
+    handoff = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm)
+    text = "Mary went to the kitchen."
+    exact, rounded = (mc.encoder_memory(handoff, text, d) for d in ("float32", "int8"))
+    assert torch.equal(exact, mc.encoder_memory(handoff, text)) and not torch.equal(exact, rounded)
+    assert torch.allclose(exact, rounded, atol=0.1 * float(exact.abs().max()))

@@ -27,6 +27,7 @@ from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
 from .extraction import cached_pooled_states, cached_token_states
 from .state_cache import cache_dtype
+from ..progress import Ticker, lines
 from .log import run_precision, say
 
 
@@ -149,20 +150,25 @@ LATENT_BOUND_ROWS = 512
 
 
 @torch.no_grad()
-def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size: int) -> float | None:
+def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size: int,
+                 progress: bool = False) -> float | None:
     """The largest |z| a receiver of this encoder accepts (`ILCPEncoder.latent_bound`):
     `LATENT_BOUND_FACTOR` x the largest |z| the trained encoder gives over the first
     `LATENT_BOUND_ROWS` rows of `splits`, in order (every real chunk or slot of a row). None when
-    those rows give no latent above 0."""
-    peak, left = 0.0, LATENT_BOUND_ROWS
+    those rows give no latent above 0. ``progress``: lines in the log as the rows go (a memory-slot
+    encoder runs the sender LM over each)."""
+    left = LATENT_BOUND_ROWS
+    counts = []  # rows read from each split
+    for split in splits:
+        counts.append(min(len(split), left))
+        left -= counts[-1]
+    peak, done = 0.0, 0
     device = next(encoder.parameters()).device
     training = encoder.training
     encoder.eval()
     try:
-        for split in splits:
-            n = min(len(split), left)
-            left -= n
-            for start in range(0, n, batch_size):
+        with Ticker("latent bound", total=sum(counts), unit="rows", enabled=lines(progress)) as tick:
+            for split, n, start in ((s, n, b) for s, n in zip(splits, counts) for b in range(0, n, batch_size)):
                 batch = collate_rows([split[i] for i in range(start, min(start + batch_size, n))])
                 if encoder.reads_sender_lm:  # memory slots: a forward of the sender LM over the contexts
                     states, mask = encoder.sender_states(batch["context"])
@@ -174,6 +180,8 @@ def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size
                     z = z[encoder.latent_mask(mask)]
                 if z.numel():
                     peak = max(peak, float(z.abs().max()))
+                done += len(batch["context"])
+                tick.update(done=done)
     finally:
         encoder.train(training)
     return LATENT_BOUND_FACTOR * peak if 0 < peak < float("inf") else None

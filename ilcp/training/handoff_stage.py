@@ -350,6 +350,9 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
         export.load_trained_state(source, load_file(str(done)), origin=str(done))
         say(f"stage 2 ({variant}): finished earlier, loaded")
         return source, json.loads((stage_dir / "metrics.json").read_text())
+    if cfg.handoff.max_steps == 0:  # a pretraining run: the encoder as the reconstruction stage left it
+        say(f"stage 2 ({variant}): no answer stage (handoff.max_steps=0): the encoder is exported as pretrained")
+        return source, {"variant": variant, "steps": 0, "best_step": None, "best_val_exact_match": None, "curve": []}
     kind = variant_of(variant)
     selected = selected_prompts(cfg.handoff, lm, data) if kind.reads_selected_rows else None
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None

@@ -261,7 +261,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
     sources, variant_metrics = {}, {}
     for variant in training_order(cfg):
         sources[variant], variant_metrics[variant] = train_variant(cfg, variant, lm, data, encoder, resume, sources)
-        say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
+        if variant_metrics[variant]["steps"]:
+            say(f"stage 2 ({variant}): best validation exact match {variant_metrics[variant]['best_val_exact_match']}")
         clock.done(variant)
     metrics = {
         "compressor": compressor_metrics, "reconstruct": reconstruct_metrics, "variants": variant_metrics,
@@ -271,7 +272,8 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
     if is_main():
         if "ilcp" in sources:  # what its receivers accept: 4x the largest |z| of these rows
             encoder = sources["ilcp"]
-            encoder.latent_bound = latent_bound(encoder, [val_rows, train_rows], cfg.data.pool_batch_size)
+            encoder.latent_bound = latent_bound(encoder, [val_rows, train_rows], cfg.data.pool_batch_size,
+                                                progress=cfg.trainer.progress)
             say(f"latent bound {encoder.latent_bound:.4g}: a receiver refuses a latent value beyond it"
                 if encoder.latent_bound is not None else "no latent bound: every latent of these rows is 0")
         export_writing.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)

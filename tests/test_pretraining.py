@@ -1,0 +1,129 @@
+"""The memory pretraining: `configs/pretrain.yaml` trains memory slots on text alone and exports
+the encoder without an answer stage (``handoff.max_steps: 0``), a file `compressor.init_from`
+starts a run from; its latent-bound pass says how far it is; its memory does not grow with the
+corpus; `configs/pretrain-gpu.yaml` is the same recipe at 50 times the steps and runs."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from ilcp import progress
+from ilcp.config import load_config
+from ilcp.handoff import ILCPHandoff
+from ilcp.training import train
+from ilcp.training.data import latent_bound
+
+REPO = Path(__file__).resolve().parent.parent
+PRETRAIN, GPU = REPO / "configs" / "pretrain.yaml", REPO / "configs" / "pretrain-gpu.yaml"
+TINY = ["lm.spec=tiny-qwen3", "data.train_size=26", "data.val_size=13", "compressor.hidden_dim=32",
+        "compressor.latent_dim=8", "compressor.slot_adapter_rank=2", "reconstruct.steps=4",
+        "reconstruct.val_every_steps=2", "reconstruct.texts_per_source=8", "reconstruct.max_target_tokens=16",
+        "handoff.projector_hidden=32", "trainer.precision=32-true", "trainer.progress=false"]
+TEXT = "Mary went to the kitchen. John took the apple there. " * 3
+
+
+def _tiny(tmp_path, config=PRETRAIN, extra=()):
+    return load_config(config, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", *TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, tiny_lm):
+    return train(_tiny(tmp_path_factory.mktemp("pretrain")), lm=tiny_lm)
+
+
+def test_the_pretraining_exports_the_encoder_as_its_reconstruction_stage_left_it(pretrained, tiny_lm):
+    run = pretrained.run_dir
+    assert not (run / "stages" / "ilcp").exists()  # no answer stage ran
+    assert pretrained.metrics["variants"]["ilcp"]["steps"] == 0
+    assert pretrained.metrics["reconstruct"]["steps"] == 4
+    stage = load_file(str(run / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    exported = load_file(str(run / "model.safetensors"))
+    assert stage.keys() == exported.keys() - {"compressor.latent_bound"}  # the bound is set at export
+    assert all(torch.equal(stage[k], exported[k]) for k in stage)
+    assert float(exported["compressor.latent_bound"]) > 0
+    assert json.loads((run / "config.json").read_text())["pooling"]["adapter_rank"] == 2
+    handoff = ILCPHandoff.from_pretrained(run, lm=tiny_lm)
+    assert handoff.receive(handoff.send(TEXT).to_bytes(), "Where is Mary?") is not None
+
+
+def test_a_run_started_from_the_pretrained_encoder_reads_its_latents(pretrained, tiny_lm, tmp_path):
+    run = _tiny(tmp_path, extra=["reconstruct.steps=0", "handoff.max_steps=1", "handoff.val_every_steps=1",
+                                 f"compressor.init_from={pretrained.run_dir}"])
+    from ilcp.training.init_from import pretrained_encoder
+
+    encoder = pretrained_encoder(run, tiny_lm, 4096)
+    source = ILCPHandoff.from_pretrained(pretrained.run_dir, lm=tiny_lm)
+    with torch.no_grad():
+        assert torch.equal(encoder.latent(*encoder.sender_states([TEXT]))[0], source.send(TEXT).latent)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["handoff.variants=[ilcp,prompt_tuned]"], "0 only with handoff.variants=\\[ilcp\\]"),
+    (["handoff.max_steps=-1"], "handoff.max_steps must be >= 1"),
+    (["reconstruct.steps=0"], "needs a pretraining stage"),
+])
+def test_no_answer_stage_is_refused_where_nothing_would_train_the_encoder(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        _tiny(tmp_path, extra=bad)
+
+
+def test_the_latent_bound_pass_says_how_far_it_is(pretrained, tiny_lm, monkeypatch, capture_log):
+    from ilcp.training.data import HandoffRows
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            self.now += 31.0
+            return self.now
+
+    monkeypatch.setattr(progress, "monotonic", Clock())
+    monkeypatch.setattr(progress, "on_terminal", lambda stream=None: False)
+    monkeypatch.setattr(progress, "_last_line", [None])
+    heard = capture_log("ilcp.progress")
+    encoder = ILCPHandoff.from_pretrained(pretrained.run_dir, lm=tiny_lm).encoder
+    encoder.bind_sender(tiny_lm.model, tiny_lm.tokenizer, 4096, [-1])
+    rows = HandoffRows([{"context": f"{TEXT} {i}", "question": "", "answer": ""} for i in range(10)], None)
+    quiet = latent_bound(encoder, [rows], batch_size=4)
+    assert heard == []
+    assert latent_bound(encoder, [rows], batch_size=4, progress=True) == quiet
+    assert [line.split(",")[0] for line in heard] == ["latent bound: 4 of 10 rows", "latent bound: 8 of 10 rows",
+                                                      "latent bound: 10 of 10 rows"], heard
+
+
+def test_pretraining_memory_does_not_grow_with_the_corpus(tmp_path):
+    """The recipe's peak anonymous memory per stage (benchmarks/cache_memory.py, a fresh process per
+    size) at 600 and 2,400 training rows: past the bounded passes (the slot statistics' 256
+    contexts, the latent bound's 512 rows) four times the corpus costs no more memory."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from cache_memory import main as memory_main
+
+    out = tmp_path / "memory.json"
+    settings = [s for s in TINY if not s.startswith(("lm.spec", "data.train_size", "reconstruct.steps",
+                                                     "reconstruct.val_every_steps"))]
+    assert memory_main(["--config", str(PRETRAIN), "--rows", "600", "--factor", "4", "--json", str(out), *settings,
+                        "reconstruct.steps=20", "reconstruct.val_every_steps=10", "data.val_size=20"]) == 0
+    small, large = json.loads(out.read_text())
+    assert large["train_rows"] == 4 * small["train_rows"] == 2400
+    mb = 1 << 20
+    assert large["run_peak"] - small["run_peak"] < 50 * mb, (small, large)
+    for stage in ("reconstruct", "ilcp", "export"):
+        assert large["peaks"][stage] - small["peaks"][stage] < 50 * mb, (stage, small, large)
+
+
+def test_the_gpu_recipe_is_the_cpu_recipe_at_50_times_the_steps(tmp_path, tiny_lm):
+    cpu, gpu = (yaml.safe_load(p.read_text()) for p in (PRETRAIN, GPU))
+    assert gpu["reconstruct"]["steps"] == 50 * cpu["reconstruct"]["steps"]
+    assert gpu["trainer"]["accelerator"] == "gpu" and gpu["trainer"]["precision"] == "bf16-mixed"
+    differ = {(section, key) for section in cpu.keys() | gpu.keys() if isinstance(gpu.get(section, cpu.get(section)), dict)
+              for key in cpu.get(section, {}).keys() | gpu.get(section, {}).keys()
+              if cpu.get(section, {}).get(key) != gpu.get(section, {}).get(key)}
+    assert differ <= {("reconstruct", "steps"), ("reconstruct", "val_every_steps"), ("reconstruct", "patience"),
+                      ("trainer", "accelerator"), ("trainer", "devices"), ("trainer", "precision")}, differ
+    result = train(_tiny(tmp_path, GPU, ["trainer.accelerator=cpu", "trainer.devices=1"]), lm=tiny_lm)
+    assert result.metrics["reconstruct"]["steps"] == 4 and (result.run_dir / "model.safetensors").is_file()
