@@ -98,8 +98,13 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
              f"Trained with ilcp {config.get('package_version')} for the frozen LM `{lm['spec']}` "
              f"(fingerprint `{lm['fingerprint']}`, {lm.get('dtype', 'float32')}); another LM is refused.", ""]
     if spec is not None:
-        chunks = spec.memory.chunk_tokens
-        per = f"one per {chunks} context tokens" if chunks else "one per context"
+        chunks, pooling = spec.memory.chunk_tokens, spec.memory.pooling_entries()
+        if pooling["kind"] == "slots":
+            per = (f"one per slot: a slot per {pooling['tokens_per_slot']} context tokens, {pooling['min_slots']} to "
+                   f"{pooling['max_slots']}" + (f", rank-{pooling['adapter_rank']} adapters on the sender"
+                                                 if pooling.get("adapter_rank") else ""))
+        else:
+            per = f"one per {chunks} context tokens" if chunks else "one per context"
         lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {spec.memory.pooling_entries()['kind']} pooling "
                   f"of layers {list(spec.layers)}, latents of {spec.latent_dim} floats ({per}), each read as "
                   f"{spec.num_memory_tokens} memory vectors."]
@@ -110,6 +115,11 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
     if variants:
         lines += ["", "| variant | best validation exact match | at step | of steps |", "|---|---|---|---|"]
         for name, m in sorted(variants.items()):
+            if not m.get("steps"):  # handoff.max_steps=0: a pretrained encoder
+                pretrained = (metrics or {}).get("reconstruct", {})
+                lines.append(f"| {name} | no answer stage: pretrained on text ({pretrained.get('steps')} steps, best "
+                             f"validation loss {pretrained.get('best_val_loss', float('nan')):.3f}) | - | 0 |")
+                continue
             best = m.get("best_val_exact_match")
             lines.append(f"| {name} | {'-' if best is None else f'{100 * best:.1f}%'} | {m.get('best_step')} | "
                          f"{m.get('steps')} |")

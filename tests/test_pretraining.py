@@ -47,6 +47,9 @@ def test_the_pretraining_exports_the_encoder_as_its_reconstruction_stage_left_it
     assert all(torch.equal(stage[k], exported[k]) for k in stage)
     assert float(exported["compressor.latent_bound"]) > 0
     assert json.loads((run / "config.json").read_text())["pooling"]["adapter_rank"] == 2
+    card = (run / "README.md").read_text()
+    assert "one per slot: a slot per 16 context tokens, 1 to 32, rank-2 adapters" in card
+    assert "| ilcp | no answer stage: pretrained on text (4 steps" in card
     handoff = ILCPHandoff.from_pretrained(run, lm=tiny_lm)
     assert handoff.receive(handoff.send(TEXT).to_bytes(), "Where is Mary?") is not None
 
@@ -127,3 +130,48 @@ def test_the_gpu_recipe_is_the_cpu_recipe_at_50_times_the_steps(tmp_path, tiny_l
                       ("trainer", "accelerator"), ("trainer", "devices"), ("trainer", "precision")}, differ
     result = train(_tiny(tmp_path, GPU, ["trainer.accelerator=cpu", "trainer.devices=1"]), lm=tiny_lm)
     assert result.metrics["reconstruct"]["steps"] == 4 and (result.run_dir / "model.safetensors").is_file()
+
+
+def _ship_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ship_pretrained", REPO / "scripts" / "ship_pretrained.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_shipped_encoder_is_the_checked_export_with_its_card(pretrained, tiny_lm, tmp_path, capsys):
+    from tests._benchmarks import load_benchmark
+
+    ship = _ship_module()
+    capacity = tmp_path / "capacity"
+    assert load_benchmark("memory_capacity").main(
+        ["--lm", "tiny-qwen3", "--lengths", "8", "--ks", "2", "--texts", "1", "--steps", "2", "--encoder",
+         str(pretrained.run_dir), "--out", str(capacity)], lm=tiny_lm) == 0
+    out = tmp_path / "shipped"
+    assert ship.main([str(pretrained.run_dir), "--out", str(out), "--capacity",
+                      str(capacity / "memory_capacity.json")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([*ship.SHIPPED, "README.md"])
+    for name in ship.SHIPPED:
+        assert (out / name).read_bytes() == (pretrained.run_dir / name).read_bytes()
+    card = (out / "README.md").read_text()
+    assert "## How it was made" in card and "python train.py --config configs/pretrain.yaml" in card
+    assert "## Reading it back" in card and f"| squad | 8 | {pretrained.run_dir.name} |" in card
+    assert "| squad | 8 | ceiling | 2 |" in card  # the ceiling at the encoder's K (2 vectors of one slot)
+    run = _tiny(tmp_path, extra=["reconstruct.steps=0", "handoff.max_steps=1", "handoff.val_every_steps=1",
+                                 f"compressor.init_from={out}", "run_name=from-shipped"])
+    assert train(run, lm=tiny_lm).metrics["compressor"] == {"init_from": str(out)}
+    # again without --overwrite: refused, the folder untouched
+    assert ship.main([str(pretrained.run_dir), "--out", str(out)]) == 2
+    assert "exists: pass --overwrite" in capsys.readouterr().err
+
+
+def test_shipping_refuses_a_run_too_large_or_with_answer_stages(pretrained, tiny_run, tmp_path, monkeypatch, capsys):
+    ship = _ship_module()
+    assert ship.main([str(tiny_run.run_dir), "--out", str(tmp_path / "a")]) == 2
+    assert "ship a pretraining run" in capsys.readouterr().err
+    monkeypatch.setattr(ship, "MAX_SHIPPED_BYTES", 1000)
+    assert ship.main([str(pretrained.run_dir), "--out", str(tmp_path / "b")]) == 2
+    assert "over the 1,000 a shipped encoder may weigh" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
