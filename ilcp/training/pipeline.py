@@ -39,7 +39,6 @@ from ..precision import hold
 from ..progress import keep_talking, lines
 from .compressor_stage import train_compressor
 from .init_from import pretrained_encoder
-from . import heap
 from .data import HandoffDataModule, latent_bound, prepare_data, sender_max_length, training_task
 from .distributed import Processes, check_global_batch, is_main
 from .handoff_stage import format_vectors_from, train_variant
@@ -70,7 +69,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
     the command that was run is rank 0 and starts the others, which run the same command (see
     `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files."""
     cfg.validate()
-    heap.hold_heap_flat()  # variable-length batches would otherwise fragment the heap step after step
     if discard_last and not resume:
         raise ValueError("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
     procs = Processes(cfg.trainer)
@@ -216,7 +214,6 @@ class StageClock:
         self._start = self._last = time.perf_counter()
 
     def done(self, name: str) -> None:
-        heap.return_freed()  # what the stage freed goes back to the system before the next begins
         now = time.perf_counter()
         self.seconds[name] = round(now - self._last, 1)
         self._last = now
