@@ -19,6 +19,10 @@ and the text's cross-entropy without memory (the receiver reading the instructio
     python benchmarks/memory_capacity.py --lm tiny-qwen3 --lengths 8 --ks 1 2 --texts 2 --steps 10 --out /tmp/mc
     python benchmarks/memory_capacity.py --encoder checkpoints/default --encoder checkpoints/general
     python benchmarks/memory_capacity.py --sources squad --lengths 32 --ks 4 --texts 4 --steps 200
+    python benchmarks/memory_capacity.py --lengths 32 --ks 4 --texts 2 --encoder RUN --ceiling-from earlier.json
+
+``--ceiling-from`` takes the ceiling cells of an earlier run's JSON where they were computed for the
+same texts, K, LM, steps, learning rate and seed (the costly part; encoders come and go).
 
 It writes memory_capacity.json (every cell and text, the settings, the LM, the provenance),
 memory_capacity.png (token accuracy against tokens per vector) and the folder's README.md (the
@@ -28,6 +32,7 @@ results documents' renderer, `ilcp_experiments.results_docs`, with the folder's 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import random
 import statistics
@@ -264,6 +269,23 @@ def ceiling_cell(lm, texts, k, instruction, ce, args) -> dict:
             "seconds": round(time.perf_counter() - start, 1), "texts": text_records(texts, figures, ce, lm.tokenizer)}
 
 
+def earlier_ceiling(report: dict | None, lm: LM, texts, k: int, args) -> dict | None:
+    """The ceiling cell of an earlier run of this benchmark (``--ceiling-from``) for these very
+    texts (sources and indices, in order) and K, at the same LM, steps, learning rate and seed;
+    None when it has none."""
+    if report is None or report.get("lm") != lm.spec:
+        return None
+    settings = report.get("settings", {})
+    if (settings.get("steps"), settings.get("lr"), settings.get("seed")) != (args.steps, args.lr, args.seed):
+        return None
+    wanted = [(t["source"], t["index"]) for t in texts]
+    for cell in report.get("cells", []):
+        if (cell.get("memory") == CEILING and cell.get("k") == k and cell.get("length") == len(texts[0]["ids"])
+                and [(t["source"], t["index"]) for t in cell["texts"]] == wanted):
+            return {**cell, "reused_from": report.get("path")}
+    return None
+
+
 def encoder_cell(lm, handoff, name, texts, instruction, ce, dtype: str = "float32") -> dict:
     start = time.perf_counter()
     ids = [t["ids"] for t in texts]
@@ -363,6 +385,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--payload-dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
                    help="each encoder's latent crosses as bytes in each of these payload dtypes")
     p.add_argument("--no-ceiling", action="store_true", help="measure the encoders only")
+    p.add_argument("--ceiling-from", metavar="JSON", help="reuse the ceiling cells of an earlier run's JSON where "
+                   "its texts, K, LM, steps, learning rate and seed are these (the rest are computed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results/memory-capacity", help="the folder written")
     p.add_argument("--threads", type=positive(int), default=None, help="torch threads (default: torch's)")
@@ -377,6 +401,12 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
     for run in args.encoder:
         if not (Path(run) / "config.json").is_file():
             p.error(f"--encoder {run}: no config.json there (give a run directory)")
+    earlier = None
+    if args.ceiling_from:
+        try:
+            earlier = {**json.loads(Path(args.ceiling_from).read_text()), "path": args.ceiling_from}
+        except (OSError, ValueError) as e:
+            p.error(f"--ceiling-from {args.ceiling_from}: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -404,7 +434,8 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         cells_here = [("ceiling", k) for k in ([] if args.no_ceiling else args.ks)] + [("encoder", n) for n in handoffs]
         for kind, which in cells_here:
             if kind == "ceiling":
-                cell = ceiling_cell(lm, chosen, which, instruction, ce, args)
+                cell = earlier_ceiling(earlier, lm, chosen, which, args) or ceiling_cell(lm, chosen, which, instruction,
+                                                                                         ce, args)
             else:
                 handoff, dtype = handoffs[which]
                 cell = encoder_cell(lm, handoff, which, chosen, instruction, ce, dtype)
@@ -424,7 +455,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
                      "lr": args.lr, "seed": args.seed, "threads": torch.get_num_threads(),
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
                      "encoders": [str(r) for r in args.encoder], "sources": args.sources,
-                     "payload_dtypes": args.payload_dtypes},
+                     "payload_dtypes": args.payload_dtypes, "ceiling_from": args.ceiling_from},
         "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.name,
                       "pooling": h.spec.memory.pooling_entries(), "memory_vectors": h.num_memory_tokens,
                       "latent_dim": h.spec.latent_dim, "payload_dtype": dtype, "max_length": h.max_length}

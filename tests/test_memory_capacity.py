@@ -125,3 +125,20 @@ def test_an_encoder_read_through_each_payload_dtype(tmp_path, tiny_lm, tiny_run)
     exact, rounded = (mc.encoder_memory(handoff, text, d) for d in ("float32", "int8"))
     assert torch.equal(exact, mc.encoder_memory(handoff, text)) and not torch.equal(exact, rounded)
     assert torch.allclose(exact, rounded, atol=0.1 * float(exact.abs().max()))
+
+
+def test_the_ceiling_is_reused_from_an_earlier_run_only_where_it_was_computed_alike(tmp_path, tiny_lm, tiny_run):
+    first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    common = ["--lm", "tiny-qwen3", "--lengths", "8", "--ks", "1", "2", "--texts", "1", "--steps", "5"]
+    assert mc.main([*common, "--out", str(first)], lm=tiny_lm) == 0
+    earlier = json.loads((first / mc.JSON_NAME).read_text())
+    assert mc.main([*common, "--encoder", str(tiny_run.run_dir), "--ceiling-from", str(first / mc.JSON_NAME),
+                    "--out", str(second)], lm=tiny_lm) == 0
+    again = json.loads((second / mc.JSON_NAME).read_text())
+    reused = [c for c in again["cells"] if c["memory"] == "ceiling"]
+    assert [c["reused_from"] for c in reused] == [str(first / mc.JSON_NAME)] * 2
+    assert [c["texts"] for c in reused] == [c["texts"] for c in earlier["cells"]]
+    assert any(c["memory"] == tiny_run.run_dir.name for c in again["cells"])
+    other = [*common[:-1], "6", "--ceiling-from", str(first / mc.JSON_NAME), "--out", str(third)]
+    assert mc.main(other, lm=tiny_lm) == 0  # other steps: computed again
+    assert all("reused_from" not in c for c in json.loads((third / mc.JSON_NAME).read_text())["cells"])
