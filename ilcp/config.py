@@ -197,6 +197,8 @@ def _coerce(value, hint, name: str):
     elif hint is str:
         if isinstance(value, str):
             return value
+        if value is None:  # ``name=`` (nothing after it) reads as YAML's null: the empty string
+            return ""
     elif hint is list or get_origin(hint) is list:
         if isinstance(value, list):
             return value

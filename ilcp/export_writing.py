@@ -105,7 +105,7 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
                                                  if pooling.get("adapter_rank") else ""))
         else:
             per = f"one per {chunks} context tokens" if chunks else "one per context"
-        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {spec.memory.pooling_entries()['kind']} pooling "
+        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {pooling['kind']} pooling "
                   f"of layers {list(spec.layers)}, latents of {spec.latent_dim} floats ({per}), each read as "
                   f"{spec.num_memory_tokens} memory vectors."]
     for name in BASELINES:
@@ -117,8 +117,9 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
         for name, m in sorted(variants.items()):
             if not m.get("steps"):  # handoff.max_steps=0: a pretrained encoder
                 pretrained = (metrics or {}).get("reconstruct", {})
+                loss = pretrained.get("best_val_loss")
                 lines.append(f"| {name} | no answer stage: pretrained on text ({pretrained.get('steps')} steps, best "
-                             f"validation loss {pretrained.get('best_val_loss', float('nan')):.3f}) | - | 0 |")
+                             f"validation loss {'-' if loss is None else f'{loss:.3f}'}) | - | 0 |")
                 continue
             best = m.get("best_val_exact_match")
             lines.append(f"| {name} | {'-' if best is None else f'{100 * best:.1f}%'} | {m.get('best_step')} | "

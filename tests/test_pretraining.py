@@ -54,6 +54,18 @@ def test_the_pretraining_exports_the_encoder_as_its_reconstruction_stage_left_it
     assert handoff.receive(handoff.send(TEXT).to_bytes(), "Where is Mary?") is not None
 
 
+def test_beta_changes_nothing_the_pretraining_learns(pretrained, tiny_lm, tmp_path):
+    """The slots' latent crosses as the posterior's mean and the reconstruction loss has no KL term,
+    so the ladder's beta rungs (0, 0.01, 0.1) pretrain the same weights: beta 0.1 against the
+    recipe's 0.01, every trained tensor equal."""
+    other = train(_tiny(tmp_path, extra=["compressor.beta=0.1"]), lm=tiny_lm)
+    ours = load_file(str(pretrained.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    theirs = load_file(str(other.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    assert pretrained.metrics["reconstruct"]["best_val_loss"] == other.metrics["reconstruct"]["best_val_loss"]
+
+
 def test_a_run_started_from_the_pretrained_encoder_reads_its_latents(pretrained, tiny_lm, tmp_path):
     run = _tiny(tmp_path, extra=["reconstruct.steps=0", "handoff.max_steps=1", "handoff.val_every_steps=1",
                                  f"compressor.init_from={pretrained.run_dir}"])

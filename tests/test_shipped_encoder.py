@@ -35,6 +35,12 @@ def test_it_is_the_encoder_the_pretraining_recipe_describes(tmp_path):
     assert settings_it_needs(cfg, read_export(SHIPPED).spec) == {}
 
 
+def test_the_general_recipe_starts_from_it_without_pretraining_again(tmp_path):
+    cfg = load_config(REPO / "configs" / "general.yaml", [f"out_dir={tmp_path}"])
+    assert Path(cfg.compressor.init_from).resolve() == SHIPPED and not cfg.reconstruct.enabled
+    assert settings_it_needs(cfg, read_export(SHIPPED).spec) == {}
+
+
 def test_a_run_starts_from_it_with_the_latents_it_sends(smollm2, tmp_path):
     cfg = load_config(REPO / "configs" / "pretrain.yaml", [f"out_dir={tmp_path}", f"compressor.init_from={SHIPPED}"])
     encoder = pretrained_encoder(cfg, smollm2, 8192)

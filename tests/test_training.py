@@ -149,6 +149,14 @@ def test_float_fields_accept_exponents_without_a_dot():
     assert load_config(None, ["handoff.encoder_lr=3e-3"]).handoff.encoder_lr == 0.003
 
 
+def test_a_text_field_set_to_nothing_is_the_empty_string(tmp_path):
+    """``compressor.init_from=`` clears a recipe's pretrained encoder (YAML reads the bare value as null)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("compressor:\n  init_from: pretrained/smollm2-memory\n")
+    assert load_config(recipe, []).compressor.init_from == "pretrained/smollm2-memory"
+    assert load_config(recipe, ["compressor.init_from="]).compressor.init_from == ""
+
+
 def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
     with pytest.raises(ValueError, match=r"compressor\.pooling=attention needs handoff\.finetune_encoder"):
         load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false", "compressor.answer_head_weight=0"])

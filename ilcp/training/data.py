@@ -23,11 +23,11 @@ from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..encoder.pooling import AttentionPooler, TokenStates, context_lengths, pad_token_states, pool_states, pool_units
 from ..tasks.babilong_context import story_token_mask
+from ..progress import Ticker, lines
 from ..tasks import FACT_VOCABULARIES, Task, fact_values, held_out, resolve_task
 from .distributed import rank, world_size
 from .extraction import cached_pooled_states, cached_token_states
 from .state_cache import cache_dtype
-from ..progress import Ticker, lines
 from .log import run_precision, say
 
 
