@@ -16,6 +16,7 @@ from ilcp import progress
 from ilcp.config import load_config
 from ilcp.handoff import ILCPHandoff
 from ilcp.training import train
+from ilcp.training import data as training_data
 from ilcp.training.data import latent_bound
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +110,11 @@ def test_the_latent_bound_pass_says_how_far_it_is(pretrained, tiny_lm, monkeypat
     assert latent_bound(encoder, [rows], batch_size=4, progress=True) == quiet
     assert [line.split(",")[0] for line in heard] == ["latent bound: 4 of 10 rows", "latent bound: 8 of 10 rows",
                                                       "latent bound: 10 of 10 rows"], heard
+    # a slot encoder runs the sender over each row: it reads SENDER_BOUND_ROWS of them
+    monkeypatch.setattr(training_data, "SENDER_BOUND_ROWS", 6)
+    heard.clear()
+    latent_bound(encoder, [rows], batch_size=4, progress=True)
+    assert [line.split(",")[0] for line in heard][-1] == "latent bound: 6 of 6 rows", heard
 
 
 def test_pretraining_memory_does_not_grow_with_the_corpus(tmp_path):

@@ -185,7 +185,7 @@ def test_the_served_block_renders_the_load_benchmark(tmp_path):
 def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figures(tmp_path):
     assert results_docs.general_block(tmp_path).startswith("No measurements of the general handoff yet")
     assert results_docs.draw_general(tmp_path) == []
-    folder = tmp_path / "general"
+    folder = tmp_path / results_docs.GENERAL_FOLDER
     folder.mkdir()
 
     def method(em, f1=None, positions=48):
@@ -210,7 +210,7 @@ def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figu
     assert "| **mean, held out (1)** | 20.0 | 40.0 |" in lines
     assert lines.index("| babi:2 (held out) | 20.0 | 40.0 |") > lines.index("| babi:1 | 50.0 | 60.0 |")
     assert "`ilcp` F1 30.0 [25.0, 35.0] with 60 prefix positions" in block
-    assert "![general_tasks](docs/results/general/general_tasks.png)" in block
+    assert f"![general_tasks](docs/results/{folder.name}/general_tasks.png)" in block
     # another handoff on the same questions joins as a column where it has the task with as many questions
     side = {"squad": {"n": 200, "methods": {"ilcp": method(0.05, 0.25, 90)}},
             "babi:1": {"n": 200, "methods": {"ilcp": method(0.3)}},
@@ -225,7 +225,8 @@ def test_the_general_block_splits_trained_and_held_out_tasks_and_draws_both_figu
     assert "| **mean, trained (2)** | 30.0 | 40.0 | 17.5 |" in lines
     assert "| **mean, held out (1)** | 20.0 | 40.0 | - |" in lines
     assert "`codec` F1 25.0 [20.0, 30.0] with 90 prefix positions" in block
-    assert "Data: [general](docs/results/general/README.md), [general-codec](docs/results/general-codec/README.md)." in block
+    assert (f"Data: [{folder.name}](docs/results/{folder.name}/README.md), "
+            "[general-codec](docs/results/general-codec/README.md).") in block
     assert len(results_docs.draw_general(tmp_path)) == 2
     # one folder can give two columns (general-long: its tuned text and its slots), linked once
     (tmp_path / "general-long").mkdir()

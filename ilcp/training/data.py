@@ -144,9 +144,12 @@ def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens:
 
 
 # An export's latent bound: LATENT_BOUND_FACTOR x the largest |z| over the first LATENT_BOUND_ROWS
-# rows of the validation split, then the training split
+# rows of the validation split, then the training split; SENDER_BOUND_ROWS for an encoder that runs
+# the sender LM over each row (memory slots: about half a second a row on a 2-core CPU, and a row
+# gives a latent per slot, so fewer rows give as many latents)
 LATENT_BOUND_FACTOR = 4.0
 LATENT_BOUND_ROWS = 512
+SENDER_BOUND_ROWS = 128
 
 
 @torch.no_grad()
@@ -154,10 +157,10 @@ def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size
                  progress: bool = False) -> float | None:
     """The largest |z| a receiver of this encoder accepts (`ILCPEncoder.latent_bound`):
     `LATENT_BOUND_FACTOR` x the largest |z| the trained encoder gives over the first
-    `LATENT_BOUND_ROWS` rows of `splits`, in order (every real chunk or slot of a row). None when
-    those rows give no latent above 0. ``progress``: lines in the log as the rows go (a memory-slot
-    encoder runs the sender LM over each)."""
-    left = LATENT_BOUND_ROWS
+    `LATENT_BOUND_ROWS` rows of `splits`, in order (every real chunk or slot of a row;
+    `SENDER_BOUND_ROWS` for a memory-slot encoder, which runs the sender LM over each). None when
+    those rows give no latent above 0. ``progress``: lines in the log as the rows go."""
+    left = SENDER_BOUND_ROWS if encoder.reads_sender_lm else LATENT_BOUND_ROWS
     counts = []  # rows read from each split
     for split in splits:
         counts.append(min(len(split), left))
