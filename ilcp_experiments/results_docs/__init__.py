@@ -15,10 +15,10 @@ written there is generated from them:
 
 from .babilong import babilong_block, babilong_targets, draw_babilong
 from .blocks import GLANCE, datasets_block, draw_at_a_glance, glance_rows, glance_table, served_block
-from .general import draw_general, general_block
+from .general import GENERAL_FOLDER, draw_general, general_block
 from .folders import RESULTS_DIR, experiment_folders, folder_readme, replace_block
 from .report import generated, main, stale, write
 
-__all__ = ["GLANCE", "RESULTS_DIR", "babilong_block", "babilong_targets", "datasets_block", "draw_at_a_glance",
+__all__ = ["GENERAL_FOLDER", "GLANCE", "RESULTS_DIR", "babilong_block", "babilong_targets", "datasets_block", "draw_at_a_glance",
            "draw_babilong", "draw_general", "experiment_folders", "general_block", "folder_readme", "generated", "glance_rows", "glance_table", "main",
            "replace_block", "served_block", "stale", "write"]
