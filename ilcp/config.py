@@ -59,9 +59,10 @@ class TrainConfig:
         if c.pooling == "slots" and not self.handoff.finetune_encoder:
             raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2: it needs "
                              "handoff.finetune_encoder=true")
-        if c.pooling != "slots" and (self.reconstruct.texts != ["task"] or self.reconstruct.continuation > 0):
-            raise ValueError("reconstruct.texts besides 'task' and reconstruct.continuation read texts whose sender "
-                             "states are not cached: they need compressor.pooling=slots")
+        r = self.reconstruct
+        if c.pooling != "slots" and (r.texts != ["task"] or r.continuation > 0 or r.text_tokens > 0):
+            raise ValueError("reconstruct.texts besides 'task', reconstruct.continuation and reconstruct.text_tokens "
+                             "read texts whose sender states are not cached: they need compressor.pooling=slots")
         if c.pooling == "slots" and self.reconstruct.token_steps + self.reconstruct.token_weight > 0:
             raise ValueError("reconstruct.token_steps / token_weight read chunks of tokens, not memory slots")
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:

@@ -326,6 +326,9 @@ class ReconstructConfig:
     continuation: float = _f(0.0, "share of texts read as a continuation: the memory of a text's first half, the receiver "
                                   "goes on with the second (0 = reconstruction only; needs compressor.pooling=slots)")
     patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)")
+    text_tokens: int = _f(0, "cut every text the stage reads into consecutive windows of this many tokens, each its "
+                             "own text (a last window under half of it dropped): every slot's memory is then one the "
+                             "loss reads (0 = whole texts; needs compressor.pooling=slots)")
 
     @property
     def enabled(self) -> bool:
@@ -357,6 +360,8 @@ class ReconstructConfig:
             problem = None if name in ("task", "prose") else unknown_task(name)
             if problem:
                 raise ValueError(f"reconstruct.texts: {problem} (or 'task', 'prose')")
+        if self.text_tokens < 0:
+            raise ValueError(f"reconstruct.text_tokens must be >= 0, got {self.text_tokens}")
         if self.texts_per_source < 1 or self.patience < 0 or not 0 <= self.continuation <= 1:
             raise ValueError("reconstruct.texts_per_source must be >= 1, reconstruct.patience >= 0 and "
                              f"reconstruct.continuation in [0, 1], got {self.texts_per_source}, {self.patience}, "
@@ -405,6 +410,9 @@ class TrainerConfig:
                                 "GPU computes bfloat16 natively and the LM's weights are float32, else 32-true)")
     seed: int = _f(0, "global seed for initialisation and batch order")
     progress: bool = _f(True, "show progress bars")
+    recompute_layers: bool = _f(False, "stages through the LM keep each layer's input alone and recompute its "
+                                       "activations in the backward pass: far less memory, about a third more "
+                                       "compute a step (ilcp.training.recompute)")
 
     def __post_init__(self):
         if self.num_nodes < 1:

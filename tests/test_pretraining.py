@@ -67,6 +67,15 @@ def test_beta_changes_nothing_the_pretraining_learns(pretrained, tiny_lm, tmp_pa
     assert pretrained.metrics["reconstruct"]["best_val_loss"] == other.metrics["reconstruct"]["best_val_loss"]
 
 
+def test_recomputed_layers_pretrain_the_same_weights(pretrained, tiny_lm, tmp_path):
+    """trainer.recompute_layers changes what the backward pass keeps, not what it computes."""
+    other = train(_tiny(tmp_path, extra=["trainer.recompute_layers=true"]), lm=tiny_lm)
+    ours = load_file(str(pretrained.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    theirs = load_file(str(other.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.allclose(ours[k], theirs[k], atol=1e-5)] == []
+
+
 def test_a_run_started_from_the_pretrained_encoder_reads_its_latents(pretrained, tiny_lm, tmp_path):
     run = _tiny(tmp_path, extra=["reconstruct.steps=0", "handoff.max_steps=1", "handoff.val_every_steps=1",
                                  f"compressor.init_from={pretrained.run_dir}"])
@@ -193,3 +202,21 @@ def test_shipping_refuses_a_run_too_large_or_with_answer_stages(pretrained, tiny
     assert ship.main([str(pretrained.run_dir), "--out", str(tmp_path / "b")]) == 2
     assert "over the 1,000 a shipped encoder may weigh" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_text_windows_cut_each_text_into_consecutive_windows(tiny_lm):
+    from ilcp.training.reconstruction_stage import text_windows
+
+    tok = tiny_lm.tokenizer
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    windows = text_windows(tok, [TEXT, TEXT], 8)  # the same text twice gives its windows once
+    expected = [tok.decode(ids[s:s + 8]).strip() for s in range(0, len(ids), 8) if s == 0 or 2 * len(ids[s:s + 8]) >= 8]
+    assert windows == list(dict.fromkeys(expected)) and len(windows) >= len(ids) // 8 - 1
+    assert text_windows(tok, ["Mary"], 8) == ["Mary"]  # a text shorter than a window is kept whole
+
+
+def test_text_windows_need_memory_slots(tmp_path):
+    with pytest.raises(ValueError, match="reconstruct.text_tokens read texts whose sender states are not cached"):
+        load_config(REPO / "configs" / "tiny.yaml", ["reconstruct.text_tokens=8", "reconstruct.steps=2"])
+    with pytest.raises(ValueError, match="reconstruct.text_tokens must be >= 0"):
+        _tiny(tmp_path, extra=["reconstruct.text_tokens=-1"])

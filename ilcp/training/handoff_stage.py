@@ -14,6 +14,7 @@ greedy exact match on a fixed subset every ``val_every_steps`` steps.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -42,8 +43,18 @@ from ..encoder.projector import GatedLatentToMemoryProjector
 from .data import HandoffDataModule
 from ..io import atomic_save_safetensors
 from .distributed import broadcast, is_main, reduce_sum, save_stage
+from .recompute import recomputing
 from .log import (checkpoint_state, ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts,
                   prepare_stage_log, read_curve, say)
+
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    """The learning rate's factor at `step`: a linear warm-up over `warmup` steps, then a cosine
+    decay to 10% at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
 
 def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
     """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
@@ -147,11 +158,15 @@ class HandoffModule(L.LightningModule):
             prompt of a source that reads the context; None: the context text.
         teacher: the distillation teacher's vectors (cold_read_tuned's, frozen), read in front of
             the text; None: the plain cold read.
+        recompute_layers: the training forward recomputes the LM's layers in the backward pass
+            (``trainer.recompute_layers``, `ilcp.training.recompute`).
     """
 
     def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64,
-                 selected: dict[tuple[str, str], list[int]] | None = None, teacher: ConstantMemory | None = None):
+                 selected: dict[tuple[str, str], list[int]] | None = None, teacher: ConstantMemory | None = None,
+                 recompute_layers: bool = False):
         super().__init__()
+        self.recompute_layers = recompute_layers
         self._teacher = (teacher,)  # outside the module tree: neither trained nor checkpointed here
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
         self.selected = selected
@@ -256,8 +271,9 @@ class HandoffModule(L.LightningModule):
         for i, lab in enumerate(labels):
             tail = lab[-(n_keep - 1):]
             targets[i, n_keep - 1 - len(tail):] = tail
-        out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
+        with recomputing(self.lm, self.recompute_layers and torch.is_grad_enabled()):
+            out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
         logits = out.logits[:, -n_keep:-1].float()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         return loss, logits, targets
@@ -323,14 +339,7 @@ class HandoffModule(L.LightningModule):
     def _adamw(self, groups: list[dict], total: int, warmup: int) -> dict:
         """AdamW over `groups` with a linear warm-up, then a cosine decay to 10% at `total` steps."""
         opt = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(warmup_cosine, total=total, warmup=warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -357,7 +366,7 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     selected = selected_prompts(cfg.handoff, lm, data) if kind.reads_selected_rows else None
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
-                           teacher=teacher)
+                           teacher=teacher, recompute_layers=cfg.trainer.recompute_layers)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"

@@ -68,7 +68,12 @@ def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) ->
     but 'task' (a tenth of that for validation). Only 'task' rows carry sender states."""
     r = cfg.reconstruct
     if r.texts == ["task"]:
-        return distinct_contexts(rows)
+        rows = distinct_contexts(rows)
+        if not r.text_tokens:
+            return rows
+        return HandoffRows([{"context": t, "question": "", "answer": ""}
+                            for t in text_windows(lm.tokenizer, [row["context"] for row in rows.rows], r.text_tokens)],
+                           None)
     limit = r.texts_per_source if split == "train" else max(1, r.texts_per_source // 10)
     texts: list[str] = []
     for name in r.texts:
@@ -82,8 +87,25 @@ def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) ->
             kwargs = task.training_kwargs(cfg.data, limit, lm.tokenizer, max_tokens)
             texts += list(dict.fromkeys(task.load(split, **kwargs)["context"]))[:limit]
     unique = list(dict.fromkeys(t for t in texts if t.strip()))
-    say(f"reconstruction: {len(unique)} distinct {split} texts from {', '.join(r.texts)}")
+    if r.text_tokens:
+        unique = text_windows(lm.tokenizer, unique, r.text_tokens)
+    windows = f" (windows of {r.text_tokens} tokens)" if r.text_tokens else ""
+    say(f"reconstruction: {len(unique)} distinct {split} texts{windows} from {', '.join(r.texts)}")
     return HandoffRows([{"context": t, "question": "", "answer": ""} for t in unique], None)
+
+
+def text_windows(tokenizer, texts: list[str], tokens: int) -> list[str]:
+    """Each text cut into consecutive windows of `tokens` tokens, decoded back to text, distinct,
+    in order; a text's last window shorter than half of `tokens` is dropped unless it is the whole
+    text."""
+    out: list[str] = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), tokens):
+            window = ids[start:start + tokens]
+            if start == 0 or 2 * len(window) >= tokens:
+                out.append(tokenizer.decode(window).strip())
+    return list(dict.fromkeys(t for t in out if t))
 
 
 def check_pretraining_texts(cfg: TrainConfig) -> None:
@@ -143,7 +165,7 @@ class ReconstructionModule(HandoffModule):
     """
 
     def __init__(self, encoder: ILCPEncoder, lm: LM, cfg: TrainConfig):
-        super().__init__(encoder, lm, cfg.handoff, val_decode_size=0)
+        super().__init__(encoder, lm, cfg.handoff, val_decode_size=0, recompute_layers=cfg.trainer.recompute_layers)
         self.reconstruct_cfg = cfg.reconstruct
         self.max_target_tokens = cfg.reconstruct.max_target_tokens
         self.max_context_tokens = sender_max_length(cfg, lm)
