@@ -124,6 +124,11 @@ def test_the_latent_bound_pass_says_how_far_it_is(pretrained, tiny_lm, monkeypat
     heard.clear()
     latent_bound(encoder, [rows], batch_size=4, progress=True)
     assert [line.split(",")[0] for line in heard][-1] == "latent bound: 6 of 6 rows", heard
+    # ... and SENDER_BOUND_BATCH contexts per forward at most, whatever batch it is given
+    monkeypatch.setattr(training_data, "SENDER_BOUND_BATCH", 2)
+    heard.clear()
+    assert latent_bound(encoder, [rows], batch_size=4, progress=True) > 0
+    assert [line.split(",")[0] for line in heard] == [f"latent bound: {n} of 6 rows" for n in (2, 4, 6)], heard
 
 
 def test_pretraining_memory_does_not_grow_with_the_corpus(tmp_path):
@@ -154,7 +159,8 @@ def test_the_gpu_recipe_is_the_cpu_recipe_at_50_times_the_steps(tmp_path, tiny_l
               for key in cpu.get(section, {}).keys() | gpu.get(section, {}).keys()
               if cpu.get(section, {}).get(key) != gpu.get(section, {}).get(key)}
     assert differ <= {("reconstruct", "steps"), ("reconstruct", "val_every_steps"), ("reconstruct", "patience"),
-                      ("trainer", "accelerator"), ("trainer", "devices"), ("trainer", "precision")}, differ
+                      ("trainer", "accelerator"), ("trainer", "devices"), ("trainer", "precision"),
+                      ("trainer", "recompute_layers")}, differ
     result = train(_tiny(tmp_path, GPU, ["trainer.accelerator=cpu", "trainer.devices=1"]), lm=tiny_lm)
     assert result.metrics["reconstruct"]["steps"] == 4 and (result.run_dir / "model.safetensors").is_file()
 

@@ -150,6 +150,7 @@ def pooled_rows(rows: HandoffRows, pooler: AttentionPooler | None, chunk_tokens:
 LATENT_BOUND_FACTOR = 4.0
 LATENT_BOUND_ROWS = 512
 SENDER_BOUND_ROWS = 128
+SENDER_BOUND_BATCH = 4  # contexts per sender forward there: its key/value cache, not the batch, sets the peak
 
 
 @torch.no_grad()
@@ -158,9 +159,12 @@ def latent_bound(encoder: ILCPEncoder, splits: Sequence[HandoffRows], batch_size
     """The largest |z| a receiver of this encoder accepts (`ILCPEncoder.latent_bound`):
     `LATENT_BOUND_FACTOR` x the largest |z| the trained encoder gives over the first
     `LATENT_BOUND_ROWS` rows of `splits`, in order (every real chunk or slot of a row;
-    `SENDER_BOUND_ROWS` for a memory-slot encoder, which runs the sender LM over each). None when
-    those rows give no latent above 0. ``progress``: lines in the log as the rows go."""
+    `SENDER_BOUND_ROWS` for a memory-slot encoder, which runs the sender LM over each,
+    `SENDER_BOUND_BATCH` contexts at a time at most). None when those rows give no latent above 0.
+    ``progress``: lines in the log as the rows go."""
     left = SENDER_BOUND_ROWS if encoder.reads_sender_lm else LATENT_BOUND_ROWS
+    if encoder.reads_sender_lm:
+        batch_size = min(batch_size, SENDER_BOUND_BATCH)
     counts = []  # rows read from each split
     for split in splits:
         counts.append(min(len(split), left))
