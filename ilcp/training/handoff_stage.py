@@ -47,6 +47,7 @@ from .recompute import recomputing
 from .log import (checkpoint_state, ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts,
                   prepare_stage_log, read_curve, say)
 
+
 def warmup_cosine(step: int, total: int, warmup: int) -> float:
     """The learning rate's factor at `step`: a linear warm-up over `warmup` steps, then a cosine
     decay to 10% at `total` steps."""

@@ -65,7 +65,9 @@ def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) ->
     source order: the training rows' contexts ('task'), passages of the background books
     ('prose', about ``reconstruct.max_target_tokens`` tokens each) and the contexts of other
     tasks, split as each task splits; at most ``reconstruct.texts_per_source`` from each source
-    but 'task' (a tenth of that for validation). Only 'task' rows carry sender states."""
+    but 'task' (a tenth of that for validation). With ``reconstruct.text_tokens`` each text is cut
+    into windows of that many tokens (`text_windows`). Only 'task' rows read whole carry sender
+    states."""
     r = cfg.reconstruct
     if r.texts == ["task"]:
         rows = distinct_contexts(rows)
