@@ -187,17 +187,20 @@ def random_memory(lm: LM, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return m / m.norm(dim=-1, keepdim=True) * embedding_norm(lm)
 
 
-def optimized_memory(lm: LM, texts, k: int, instruction, *, steps: int, lr: float, seed: int = 0) -> torch.Tensor:
+def optimized_memory(lm: LM, texts, k: int, instruction, *, steps: int, lr: float, seed: int = 0,
+                     progress=None) -> torch.Tensor:
     """K vectors per text, (n, k, H), optimized with Adam on the teacher-forced loss, the receiver
     frozen; every text's vectors are its own and the texts' losses are summed, so a step is one
-    forward and backward over the batch."""
+    forward and backward over the batch. ``progress(step, mean loss)`` is called after each step."""
     memory = random_memory(lm, len(texts), k, seed).to(lm.device).requires_grad_(True)
     opt = torch.optim.Adam([memory], lr=lr)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         loss = text_losses(lm, list(memory), texts, instruction)[0].sum()
         opt.zero_grad()
         loss.backward(inputs=[memory])
         opt.step()
+        if progress is not None:
+            progress(step, float(loss.detach()) / len(texts))
     return memory.detach()
 
 

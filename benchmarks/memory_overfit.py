@@ -13,7 +13,8 @@ reconstruction stage reads ([memory ; instruction ; text]), with the same K vect
   LM, the VAE's mean, the projector), fresh or from ``compressor.init_from``.
 
 If the latent memory learns what the ceiling does and the encoder does not, the sender is what
-holds the memory back; if neither does, the bottleneck or the projector is.
+holds the memory back; if neither does, the bottleneck or the projector is. Everything runs in
+float32, as `memory_capacity.py` does (the stage may compute in bfloat16).
 
     python benchmarks/memory_overfit.py --texts 3 --steps 300 --out /tmp/overfit
     python benchmarks/memory_overfit.py --texts 3 --steps 300 reconstruct.lr=1e-2 reconstruct.encoder_lr=1e-2
@@ -116,6 +117,16 @@ def train_memory(kind: str, encoder: SlotEncoder, lm: LM, contexts, ids, instruc
         return [m.detach() for m in memories()], curve
 
 
+def progress_lines(name: str, args):
+    """A ``progress(step, loss)`` that prints a line every ``--log-every`` steps and at the last."""
+    began = time.perf_counter()
+
+    def say(step: int, loss: float) -> None:
+        if step % args.log_every == 0 or step == args.steps:
+            print(f"{name}: step {step}/{args.steps}, loss {loss:.3f}, {time.perf_counter() - began:.0f}s", flush=True)
+    return say
+
+
 def summary_rows(results: dict) -> list[dict]:
     rows = []
     for kind, r in results.items():
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
         began = time.perf_counter()
         if kind == "ceiling":
             memory = list(mc.optimized_memory(lm, ids, k, instruction, steps=args.steps, lr=args.ceiling_lr,
-                                              seed=args.seed))
+                                              seed=args.seed, progress=progress_lines("ceiling", args)))
             curve = []
         else:
             torch.manual_seed(args.seed)

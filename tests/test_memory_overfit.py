@@ -35,7 +35,7 @@ def test_training_the_latents_or_the_sender_lowers_the_loss_and_leaves_the_lm_al
     assert raw_weight_digest(tiny_lm.model) == before
 
 
-def test_the_command_writes_every_memory_at_the_encoders_k(tiny_lm, tmp_path):
+def test_the_command_writes_every_memory_at_the_encoders_k(tiny_lm, tmp_path, capsys):
     out = tmp_path / "overfit"
     rc = mo.main(["--lm", "tiny-qwen3", "--config", str(REPO / "configs" / "tiny.yaml"), "--length", "8",
                   "--texts", "1", "--sources", "babi", "--steps", "3", "--out", str(out), *SLOTS], lm=tiny_lm)
@@ -44,6 +44,9 @@ def test_the_command_writes_every_memory_at_the_encoders_k(tiny_lm, tmp_path):
     assert [r["memory"] for r in report["summary"]] == list(mo.MEMORIES)
     assert {tuple(m["vectors"]) for m in report["memories"].values()} == {(4,)}
     assert report["settings"]["steps"] == 3 and "| ceiling | 3 |" in (out / mo.TABLE_NAME).read_text()
+    printed = capsys.readouterr().out
+    assert all(f"{kind}: step 3/3, loss" in printed for kind in mo.MEMORIES)  # each memory says how far it is
+    assert (out / "README.md").is_file()
 
 
 def test_a_config_without_slots_is_refused_in_one_line(tiny_lm, tmp_path, capsys):
