@@ -237,13 +237,19 @@ def summarize(cells: list[dict]) -> list[dict]:
     for (source, length, memory, k), texts in sorted(groups.items(), key=lambda g: row_order(*g[0])):
         per_vector = statistics.mean(length / t.get("vectors", k) for t in texts)
         rows.append({"source": source, "L": length, "memory": memory, "K": k, "tokens_per_vector": round(per_vector, 2),
-                     "texts": len(texts),
-                     "token_accuracy": round(statistics.mean(t["token_accuracy"] for t in texts), 4),
-                     "exact_pct": round(100 * statistics.mean(t["exact"] for t in texts), 1),
-                     "prefix": round(statistics.mean(t["prefix"] for t in texts), 2),
-                     "loss": round(statistics.mean(t["loss"] for t in texts), 4),
-                     "ce_without_memory": round(statistics.mean(t["ce_without_memory"] for t in texts), 4)})
+                     **text_means(texts)})
     return rows
+
+
+def text_means(texts: list[dict]) -> dict:
+    """Means over per-text records (`text_records`): texts, token accuracy, exact %, greedy prefix,
+    loss and the cross-entropy without memory."""
+    return {"texts": len(texts),
+            "token_accuracy": round(statistics.mean(t["token_accuracy"] for t in texts), 4),
+            "exact_pct": round(100 * statistics.mean(t["exact"] for t in texts), 1),
+            "prefix": round(statistics.mean(t["prefix"] for t in texts), 2),
+            "loss": round(statistics.mean(t["loss"] for t in texts), 4),
+            "ce_without_memory": round(statistics.mean(t["ce_without_memory"] for t in texts), 4)}
 
 
 def markdown_table(rows: list[dict]) -> str:

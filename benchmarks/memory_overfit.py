@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -128,17 +127,10 @@ def progress_lines(name: str, args):
 
 
 def summary_rows(results: dict) -> list[dict]:
-    rows = []
-    for kind, r in results.items():
-        texts = r["texts"]
-        rows.append({"memory": kind, "steps": r["steps"], "texts": len(texts),
-                     "token_accuracy": round(statistics.mean(t["token_accuracy"] for t in texts), 4),
-                     "exact_pct": round(100 * statistics.mean(t["exact"] for t in texts), 1),
-                     "prefix": round(statistics.mean(t["prefix"] for t in texts), 2),
-                     "loss": round(statistics.mean(t["loss"] for t in texts), 4),
-                     "ce_without_memory": round(statistics.mean(t["ce_without_memory"] for t in texts), 4),
-                     "vector_norm": r["vector_norm"], "seconds": r["seconds"]})
-    return rows
+    """A row per memory: its steps, the means over its texts (`memory_capacity.text_means`), the
+    vectors' mean norm and its seconds."""
+    return [{"memory": kind, "steps": r["steps"], **mc.text_means(r["texts"]), "vector_norm": r["vector_norm"],
+             "seconds": r["seconds"]} for kind, r in results.items()]
 
 
 def markdown_table(rows: list[dict]) -> str:
