@@ -3,7 +3,8 @@
 The receiver reads the layout reconstruction training uses (`ilcp.receiver.prefix.receiver_prefix`
 with the reconstruction instruction as ``prompt_ids``): K memory vectors, the instruction, then
 it must say the text. Texts are held out: SQuAD validation contexts, the background prose's test
-split and bAbI test stories, each cut to its first L tokens (a text shorter than L is left out).
+split and bAbI test stories (every shipped task's, or one task's: ``babi:N``), each cut to its
+first L tokens (a text shorter than L is left out).
 
 - The ceiling: for each K, K vectors per text optimized with Adam against the frozen receiver (its
   weights never change; only the vectors have a gradient), every text of an (L, K) cell in one
@@ -19,6 +20,7 @@ and the text's cross-entropy without memory (the receiver reading the instructio
     python benchmarks/memory_capacity.py --lm tiny-qwen3 --lengths 8 --ks 1 2 --texts 2 --steps 10 --out /tmp/mc
     python benchmarks/memory_capacity.py --encoder checkpoints/default --encoder checkpoints/general
     python benchmarks/memory_capacity.py --sources squad --lengths 32 --ks 4 --texts 4 --steps 200
+    python benchmarks/memory_capacity.py --sources babi:1 babi:16 --lengths 32 --texts 8 --no-ceiling --encoder RUN
     python benchmarks/memory_capacity.py --lengths 32 --ks 4 --texts 2 --encoder RUN --ceiling-from earlier.json
 
 ``--ceiling-from`` takes the ceiling cells of an earlier run's JSON where they were computed for the
@@ -52,7 +54,7 @@ from ilcp.provenance import command_line, provenance
 from ilcp.receiver.decoding import greedy_decode_ids
 from ilcp.receiver.prefix import receiver_prefix
 from ilcp.receiver.prompts import reconstruction_prompt
-from ilcp.tasks import babi_stories, load_task
+from ilcp.tasks import available_tasks, babi_stories, load_task
 from ilcp.tasks.background import background_sentences
 from ilcp.wire.dtypes import DTYPES
 from ilcp.wire.payload import pack
@@ -66,9 +68,23 @@ CEILING = "ceiling"
 # ------------------------------------------------------------------------------------- the texts
 
 
+def source_name(name: str) -> str:
+    """A source as --sources takes it: one of `SOURCES`, or ``babi:N`` (one bAbI task's test
+    stories; N a task with files, as ``babi:all`` reads them). Raises ValueError otherwise."""
+    if name in SOURCES:
+        return name
+    task = name[len("babi:"):] if name.startswith("babi:") else ""
+    if not task.isdigit() or int(task) not in available_tasks():
+        raise ValueError(f"unknown source {name!r}; known: {', '.join(SOURCES)}, or babi:N for N in "
+                         f"{', '.join(map(str, available_tasks()))}")
+    return f"babi:{int(task)}"
+
+
 def source_texts(source: str) -> list[str]:
     """The held-out texts of a source, in a fixed order: SQuAD validation contexts (each once),
-    passages of the background prose's test split, bAbI test stories."""
+    passages of the background prose's test split, bAbI test stories (of one task for ``babi:N``)."""
+    if source.startswith("babi:"):
+        return babi_stories(int(source_name(source)[len("babi:"):]), split="test")
     if source == "squad":
         return list(dict.fromkeys(load_task("squad", "validation")["context"]))
     if source == "background":
@@ -223,8 +239,10 @@ def encoder_name(run: str, dtype: str) -> str:
 
 
 def row_order(source: str, length: int, memory: str, k: int) -> tuple:
-    """Sources in `SOURCES` order, then lengths, the ceiling's K before the encoders."""
-    return SOURCES.index(source), length, memory != CEILING, memory, k
+    """Sources in `SOURCES` order (``babi:N`` after them, by N), then lengths, the ceiling's K
+    before the encoders."""
+    place = SOURCES.index(source) if source in SOURCES else len(SOURCES) + int(source.split(":")[1])
+    return place, length, memory != CEILING, memory, k
 
 
 def summarize(cells: list[dict]) -> list[dict]:
@@ -381,13 +399,22 @@ def positive(kind):
     return parse
 
 
+def source_choice(name: str) -> str:
+    """`source_name` for argparse: a bad name is a usage error naming the known ones."""
+    try:
+        return source_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lm", default=DEFAULT_LM, help="the LM spec (default: the embedded SmolLM2; tiny-qwen3 to try)")
     p.add_argument("--lengths", type=positive(int), nargs="+", default=[16, 32, 64, 128], help="L, text tokens")
     p.add_argument("--ks", type=positive(int), nargs="+", default=[1, 2, 4, 8], help="K, memory vectors (ceiling)")
     p.add_argument("--texts", type=positive(int), default=4, help="texts per source and length")
-    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES), help="the texts' sources")
+    p.add_argument("--sources", nargs="+", type=source_choice, default=list(SOURCES),
+                   help=f"the texts' sources: {', '.join(SOURCES)}, or babi:N (one bAbI task's test stories)")
     p.add_argument("--steps", type=int, default=200, help="Adam steps of the ceiling's vectors")
     p.add_argument("--lr", type=positive(float), default=3e-2, help="Adam's learning rate for the ceiling")
     p.add_argument("--encoder", action="append", default=[], metavar="RUN", help="a run directory (repeatable)")

@@ -42,6 +42,21 @@ def test_texts_are_cut_to_their_first_l_tokens_and_shorter_ones_left_out(tiny_lm
     assert mc.held_out_texts(tiny_lm.tokenizer, [8], 2, sources=["babi"])[8] == texts[8][4:]
 
 
+def test_a_babi_source_can_be_one_task_s_test_stories(tiny_lm):
+    from ilcp.tasks import babi_stories
+
+    assert mc.source_name("babi:01") == "babi:1" and mc.source_name("squad") == "squad"
+    texts = mc.held_out_texts(tiny_lm.tokenizer, [8], 3, sources=["babi:16", "babi:1"])[8]
+    assert [t["source"] for t in texts] == ["babi:16"] * 3 + ["babi:1"] * 3
+    stories = {n: babi_stories(n, split="test") for n in (1, 16)}
+    for t in texts:
+        story = stories[int(t["source"].split(":")[1])][t["index"]]
+        assert tiny_lm.tokenizer(story, add_special_tokens=False)["input_ids"][:8] == t["ids"]
+    # sources in a fixed order: the named ones, then bAbI tasks by number
+    assert sorted(["babi:16", "babi:2", "squad", "babi"], key=lambda s: mc.row_order(s, 8, "x", 1)) == \
+        ["squad", "babi", "babi:2", "babi:16"]
+
+
 def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, tiny_lm, tiny_run, capsys):
     out = tmp_path / "memory-capacity"
     code = mc.main(["--lm", "tiny-qwen3", "--lengths", "8", "--ks", "1", "2", "--texts", "2", "--steps", "10",
@@ -74,7 +89,8 @@ def test_the_command_writes_its_json_readme_and_plot_with_an_encoder(tmp_path, t
     (["--ks", "0"], "expected a positive integer"),
     (["--lengths", "x"], "expected an integer, got 'x'"),
     (["--lr", "0"], "expected a positive number"),
-    (["--sources", "wiki"], "invalid choice: 'wiki'"),
+    (["--sources", "wiki"], "unknown source 'wiki'; known: squad, background, babi, or babi:N for N in 1,"),
+    (["--sources", "babi:99"], "unknown source 'babi:99'"),
     (["--steps", "-1"], "--steps must be 0 or more"),
     (["--encoder", "/nonexistent/run"], "no config.json there"),
 ])

@@ -221,6 +221,20 @@ def test_text_windows_cut_each_text_into_consecutive_windows(tiny_lm):
     assert text_windows(tok, ["Mary"], 8) == ["Mary"]  # a text shorter than a window is kept whole
 
 
+def test_task_texts_alone_are_cut_into_windows_and_the_log_says_so(tiny_lm, tmp_path, monkeypatch):
+    from ilcp.training import reconstruction_stage
+    from ilcp.training.data import HandoffRows
+
+    lines = []
+    monkeypatch.setattr(reconstruction_stage, "say", lines.append)
+    cfg = _tiny(tmp_path, extra=["reconstruct.texts=[task]", "reconstruct.text_tokens=8"])
+    rows = HandoffRows([{"context": c, "question": "q", "answer": "a"} for c in (TEXT, TEXT, "Mary")], None)
+    got = reconstruction_stage.pretraining_rows(cfg, tiny_lm, rows, "train")
+    expected = reconstruction_stage.text_windows(tiny_lm.tokenizer, [TEXT, "Mary"], 8)
+    assert [r["context"] for r in got.rows] == expected and got.states is None
+    assert lines == [f"reconstruction: {len(expected)} distinct train texts (windows of 8 tokens) from 2 task contexts"]
+
+
 def test_text_windows_need_memory_slots(tmp_path):
     with pytest.raises(ValueError, match="reconstruct.text_tokens read texts whose sender states are not cached"):
         load_config(REPO / "configs" / "tiny.yaml", ["reconstruct.text_tokens=8", "reconstruct.steps=2"])

@@ -73,9 +73,10 @@ def pretraining_rows(cfg: TrainConfig, lm: LM, rows: HandoffRows, split: str) ->
         rows = distinct_contexts(rows)
         if not r.text_tokens:
             return rows
-        return HandoffRows([{"context": t, "question": "", "answer": ""}
-                            for t in text_windows(lm.tokenizer, [row["context"] for row in rows.rows], r.text_tokens)],
-                           None)
+        windows = text_windows(lm.tokenizer, [row["context"] for row in rows.rows], r.text_tokens)
+        say(f"reconstruction: {len(windows)} distinct {split} texts (windows of {r.text_tokens} tokens) "
+            f"from {len(rows.rows)} task contexts")
+        return HandoffRows([{"context": t, "question": "", "answer": ""} for t in windows], None)
     limit = r.texts_per_source if split == "train" else max(1, r.texts_per_source // 10)
     texts: list[str] = []
     for name in r.texts:
