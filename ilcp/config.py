@@ -56,8 +56,9 @@ class TrainConfig:
             raise ValueError(f"compressor.story_attention_weight > 0 needs a BABILong task (data.task "
                              f"'babilong:N:LENGTH'), where the story's place in the context is known; got "
                              f"{self.data.task!r}")
-        if c.pooling == "slots" and not self.handoff.finetune_encoder:
-            raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2: it needs "
+        if c.pooling == "slots" and not (self.handoff.finetune_encoder or self.reconstruct.enabled or c.init_from):
+            raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2 unless a pretraining "
+                             "stage (reconstruct.steps > 0) or compressor.init_from trained them: it needs "
                              "handoff.finetune_encoder=true")
         r = self.reconstruct
         if c.pooling != "slots" and (r.texts != ["task"] or r.continuation > 0 or r.text_tokens > 0):

@@ -98,6 +98,9 @@ def test_the_settings_round_trip_and_bad_ones_are_refused():
         load_config(TINY_CONFIG, ["compressor.pooling=slots"])
     with pytest.raises(ValueError, match="finetune_encoder=true"):
         load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false"])
+    # slots trained before the answer stage may stay frozen in it
+    assert not load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false", "reconstruct.steps=2"]
+                           ).handoff.finetune_encoder
     with pytest.raises(ValueError, match="not memory slots"):
         load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2", "reconstruct.token_weight=1"])
     with pytest.raises(ValueError, match="need compressor.pooling=slots"):

@@ -87,6 +87,19 @@ def test_a_run_started_from_the_pretrained_encoder_reads_its_latents(pretrained,
         assert torch.equal(encoder.latent(*encoder.sender_states([TEXT]))[0], source.send(TEXT).latent)
 
 
+def test_an_answer_stage_may_keep_the_pretrained_sender_frozen(pretrained, tiny_lm, tmp_path):
+    """handoff.finetune_encoder=false from compressor.init_from: the answer stage trains the
+    projector alone; the slots, adapters and VAE are exported as pretrained."""
+    run = train(_tiny(tmp_path, extra=["reconstruct.steps=0", "handoff.max_steps=2", "handoff.val_every_steps=2",
+                                       "handoff.finetune_encoder=false", f"compressor.init_from={pretrained.run_dir}"]),
+                lm=tiny_lm)
+    before = load_file(str(pretrained.run_dir / "model.safetensors"))
+    after = load_file(str(run.run_dir / "model.safetensors"))
+    sender = [k for k in before if not k.startswith("projector.") and k != "compressor.latent_bound"]
+    assert sender and all(torch.equal(before[k], after[k]) for k in sender)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("projector."))
+
+
 @pytest.mark.parametrize("bad, message", [
     (["handoff.variants=[ilcp,prompt_tuned]"], "0 only with handoff.variants=\\[ilcp\\]"),
     (["handoff.max_steps=-1"], "handoff.max_steps must be >= 1"),
