@@ -70,21 +70,19 @@ CEILING = "ceiling"
 
 def source_name(name: str) -> str:
     """A source as --sources takes it: one of `SOURCES`, or ``babi:N`` (one bAbI task's test
-    stories; N a task with files, as ``babi:all`` reads them). Raises ValueError otherwise."""
-    if name in SOURCES:
-        return name
+    stories; N a task with files, as ``babi:all`` reads them). Otherwise a usage error naming them."""
     task = name[len("babi:"):] if name.startswith("babi:") else ""
-    if not task.isdigit() or int(task) not in available_tasks():
-        raise ValueError(f"unknown source {name!r}; known: {', '.join(SOURCES)}, or babi:N for N in "
-                         f"{', '.join(map(str, available_tasks()))}")
-    return f"babi:{int(task)}"
+    if name in SOURCES or (task.isdigit() and int(task) in available_tasks()):
+        return name if name in SOURCES else f"babi:{int(task)}"
+    raise argparse.ArgumentTypeError(f"unknown source {name!r}; known: {', '.join(SOURCES)}, or babi:N for N in "
+                                     f"{', '.join(map(str, available_tasks()))}")
 
 
 def source_texts(source: str) -> list[str]:
     """The held-out texts of a source, in a fixed order: SQuAD validation contexts (each once),
     passages of the background prose's test split, bAbI test stories (of one task for ``babi:N``)."""
-    if source.startswith("babi:"):
-        return babi_stories(int(source_name(source)[len("babi:"):]), split="test")
+    if source == "babi" or source.startswith("babi:"):
+        return babi_stories(int(source[len("babi:"):]) if ":" in source else "all", split="test")
     if source == "squad":
         return list(dict.fromkeys(load_task("squad", "validation")["context"]))
     if source == "background":
@@ -96,8 +94,6 @@ def source_texts(source: str) -> list[str]:
                 words, book = [], sentence.source
             words += sentence.text.split()
         return passages + ([" ".join(words)] if words else [])
-    if source == "babi":
-        return babi_stories("all", split="test")
     raise ValueError(f"unknown source {source!r}; known: {', '.join(SOURCES)}")
 
 
@@ -399,21 +395,13 @@ def positive(kind):
     return parse
 
 
-def source_choice(name: str) -> str:
-    """`source_name` for argparse: a bad name is a usage error naming the known ones."""
-    try:
-        return source_name(name)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lm", default=DEFAULT_LM, help="the LM spec (default: the embedded SmolLM2; tiny-qwen3 to try)")
     p.add_argument("--lengths", type=positive(int), nargs="+", default=[16, 32, 64, 128], help="L, text tokens")
     p.add_argument("--ks", type=positive(int), nargs="+", default=[1, 2, 4, 8], help="K, memory vectors (ceiling)")
     p.add_argument("--texts", type=positive(int), default=4, help="texts per source and length")
-    p.add_argument("--sources", nargs="+", type=source_choice, default=list(SOURCES),
+    p.add_argument("--sources", nargs="+", type=source_name, default=list(SOURCES),
                    help=f"the texts' sources: {', '.join(SOURCES)}, or babi:N (one bAbI task's test stories)")
     p.add_argument("--steps", type=int, default=200, help="Adam steps of the ceiling's vectors")
     p.add_argument("--lr", type=positive(float), default=3e-2, help="Adam's learning rate for the ceiling")
@@ -485,8 +473,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
     command = command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
     report = {
         "provenance": provenance(command), "lm": lm.spec, "hidden_size": lm.hidden_size,
-        "platform": platform.platform(),
-        "seconds": round(time.perf_counter() - start, 1),
+        "platform": platform.platform(), "seconds": round(time.perf_counter() - start, 1),
         "settings": {"lengths": args.lengths, "ks": args.ks, "texts_per_source": args.texts, "steps": args.steps,
                      "lr": args.lr, "seed": args.seed, "threads": torch.get_num_threads(),
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
