@@ -21,7 +21,7 @@ from ilcp.encoder.slots import (
     slot_counts,
     slot_states,
 )
-from ilcp.encoder.pooling import pad_id_of, pad_right
+from ilcp.encoder.pooling import length_groups, pad_id_of, pad_right
 from ilcp.encoder.projector import GatedLatentToMemoryProjector
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -84,6 +84,29 @@ def test_gradients_reach_the_slots_and_not_the_lm(tiny_lm):
     unbound = SlotEncoder(BetaVAE(slots.output_dim, 8, 32), None, _slots(tiny_lm))
     with pytest.raises(ValueError, match="bind_sender"):
         unbound.sender_states([SHORT])
+
+
+def test_the_sender_groups_contexts_by_length_and_gives_what_one_padded_forward_gives(tiny_lm):
+    """`SlotEncoder.sender_states` runs contexts of very different lengths as separate forwards
+    (less padding); each row's states, its slot mask and the gradients reaching the slots are those
+    of one right-padded forward over the whole batch, in the batch's order."""
+    slots = _slots(tiny_lm)
+    encoder = SlotEncoder(BetaVAE(slots.output_dim, 8, 32), None, slots)
+    encoder.bind_sender(tiny_lm.model, tiny_lm.tokenizer, 512, (-1,))
+    huge = " ".join(["Sandra journeyed to the office and then to the garden."] * 30)
+    texts = [huge, SHORT, LONG, "Bill is here."]
+    tokens = tiny_lm.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert len(length_groups([len(t) for t in tokens])) > 1  # really split
+    states, slot_mask = encoder.sender_states(texts)
+    (states.pow(2) * slot_mask.unsqueeze(-1)).sum().backward()
+    grouped_grad, slots.embeddings.grad = slots.embeddings.grad.clone(), None
+    ids, mask = _ids(tiny_lm, texts)
+    expected, expected_mask = slot_states(tiny_lm.model, slots, mask, (-1,), input_ids=ids)
+    (expected.pow(2) * expected_mask.unsqueeze(-1)).sum().backward()
+    assert torch.equal(slot_mask, expected_mask)
+    torch.testing.assert_close(states * slot_mask.unsqueeze(-1), expected * expected_mask.unsqueeze(-1),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grouped_grad, slots.embeddings.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_the_settings_round_trip_and_bad_ones_are_refused():

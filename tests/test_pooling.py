@@ -226,3 +226,32 @@ def test_attention_pooler_computes_in_float32_under_bf16_weights_and_autocast():
         under = pooler(states, mask)
     assert under.dtype == torch.float32
     torch.testing.assert_close(under, expected)
+
+
+def test_length_groups_split_a_mixed_batch_at_the_least_padded_cost():
+    """Every row in exactly one group, shortest first; rows of one length share one forward; a
+    row far longer than the rest goes alone; a huge per-forward cost keeps the batch whole."""
+    lengths = [41, 60, 200, 1400, 90, 95, 210, 70]
+    groups = pooling.length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [3] in groups and all(lengths[g[0]] <= lengths[g[-1]] for g in groups)
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)
+
+    def cost(gs, overhead=pooling.FORWARD_OVERHEAD_POSITIONS):
+        return sum(len(g) * max(lengths[i] for i in g) + overhead for g in gs)
+
+    assert cost(groups) < cost([list(range(len(lengths)))])
+    # brute force over every split of the sorted rows into consecutive runs: none is cheaper
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for cuts in range(1 << (len(order) - 1)):
+        runs, run = [], [order[0]]
+        for k, i in enumerate(order[1:]):
+            if cuts >> k & 1:
+                runs.append(run)
+                run = []
+            run.append(i)
+        assert cost(groups) <= cost(runs + [run])
+    assert pooling.length_groups([100] * 8) == [list(range(8))]
+    assert pooling.length_groups(lengths, overhead=10**6) == [sorted(range(8), key=lambda i: lengths[i])]
+    assert pooling.length_groups([]) == []

@@ -171,31 +171,65 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
         load_config(None, ["handoff.batch_size=0"])
 
 
+def _padded_answer_loss(tiny_lm, source, batch):
+    """The answer loss of one left-padded forward over a cold_read_tuned batch, as HF computes it
+    with -100 labels (the reference the answer stage must equal)."""
+    from ilcp.receiver import prompts
+    from ilcp.receiver.decoding import left_pad
+
+    embed = tiny_lm.model.get_input_embeddings()
+    seqs, labs = [], []
+    for c, q, a in zip(batch["context"], batch["question"], batch["answer"]):
+        p = tiny_lm.tokenizer(prompts.cold_read_prompt(tiny_lm.tokenizer, c, q), add_special_tokens=False).input_ids
+        t = tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer), add_special_tokens=False).input_ids
+        seqs.append(torch.cat([source.soft_prompt, embed(torch.tensor(p + t))]))
+        labs.append([-100] * (source.soft_prompt.shape[0] + len(p)) + t)
+    x, mask, pos = left_pad(seqs)
+    labels = torch.full(mask.shape, -100)
+    for i, lab in enumerate(labs):
+        labels[i, -len(lab):] = torch.tensor(lab)
+    return tiny_lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, labels=labels).loss
+
+
 def test_answer_loss_equals_the_full_sequence_labels_loss(tiny_lm):
     """Only the answer's logits are computed; the loss must equal HF's loss with -100 labels."""
-    from ilcp.receiver import prompts
     from ilcp.config_sections import HandoffConfig
-    from ilcp.receiver.decoding import left_pad
 
     source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
     module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2))
     batch = {"pooled": torch.zeros(2, 4), "context": ["John went home.", "Mary is in the big kitchen now."],
              "question": ["Where is John?", "Where is Mary?"], "answer": ["home", "kitchen,garden"]}
     loss, _ = module._teacher_forced(batch)
-    embed = tiny_lm.model.get_input_embeddings()
-    seqs, labs = [], []
-    for c, q, a in zip(batch["context"], batch["question"], batch["answer"]):
-        p = tiny_lm.tokenizer(prompts.cold_read_prompt(tiny_lm.tokenizer, c, q), add_special_tokens=False).input_ids
-        t = tiny_lm.tokenizer(prompts.answer_text(a, tiny_lm.tokenizer), add_special_tokens=False).input_ids
-        seqs.append(torch.cat([source.soft_prompt.detach(), embed(torch.tensor(p + t))]))
-        labs.append([-100] * (2 + len(p)) + t)
-    x, mask, pos = left_pad(seqs)
-    labels = torch.full(mask.shape, -100)
-    for i, lab in enumerate(labs):
-        labels[i, -len(lab):] = torch.tensor(lab)
     with torch.no_grad():
-        expected = tiny_lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, labels=labels).loss
+        expected = _padded_answer_loss(tiny_lm, source, batch)
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_very_different_lengths_run_apart_with_the_loss_and_gradients_of_one_forward(tiny_lm):
+    """A batch mixing a long context with short ones runs as several forwards (`length_groups`):
+    its answer loss, the soft prompt's gradient and the validation loss and answers are those of
+    one padded forward over the batch."""
+    from ilcp.config_sections import HandoffConfig
+    from ilcp.encoder.pooling import length_groups
+
+    source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
+    module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2, max_new_tokens=3))
+    long_story = " ".join(["Daniel went back to the office and picked up the apple there."] * 25)
+    batch = {"context": ["John went home.", long_story, "Mary is in the big kitchen now.", long_story + " Bill left."],
+             "question": ["Where is John?", "Where is Daniel?", "Where is Mary?", "Where is Bill?"],
+             "answer": ["home", "office", "kitchen,garden", "away"]}
+    lengths = [len(tiny_lm.tokenizer(c)["input_ids"]) for c in batch["context"]]
+    assert len(length_groups(lengths)) > 1
+    loss, _ = module._teacher_forced(batch)
+    loss.backward()
+    grouped_grad, source.soft_prompt.grad = source.soft_prompt.grad.clone(), None
+    expected = _padded_answer_loss(tiny_lm, source, batch)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped_grad, source.soft_prompt.grad, rtol=1e-4, atol=1e-6)
+    val_loss, answers = module._loss_and_answers(batch)
+    torch.testing.assert_close(val_loss, expected.detach(), rtol=1e-5, atol=1e-5)
+    assert answers == [module.answer({k: [v[i]] for k, v in batch.items()})[0] for i in range(4)]
 
 
 def test_default_yaml_mirrors_the_built_in_defaults():

@@ -9,7 +9,8 @@ softmax-weighted mean of the token states; it starts out equal to the masked mea
 `pool_units` cut right-padded contexts into chunks of C tokens (one latent per chunk).
 
 `sender_token_states` is the one forward both training extraction and `ILCPHandoff` run;
-`tokenize_contexts`, `pad_right` and `length_batches` prepare its inputs. Nothing here imports
+`tokenize_contexts`, `pad_right` and `length_batches` prepare its inputs; `length_groups` splits
+one training batch into forwards of similar lengths. Nothing here imports
 Lightning, so the runtime handoff does not load it: the batched extraction through a Lightning
 predict loop and its on-disk cache are `ilcp.training.extraction`.
 """
@@ -339,6 +340,37 @@ def tokenize_contexts(tokenizer, texts: Sequence[str], max_length: int) -> list[
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     return [seq[-max_length:] if len(seq) > max_length else seq for seq in ids]
+
+
+# A forward's fixed cost, counted in padded positions: what `length_groups` weighs against padding.
+FORWARD_OVERHEAD_POSITIONS = 64
+
+
+def length_groups(lengths: Sequence[int], overhead: int = FORWARD_OVERHEAD_POSITIONS) -> list[list[int]]:
+    """Split rows of these ``lengths`` into groups run as separate padded forwards, at the least
+    cost: each group costs its rows x its longest length (the padded positions) plus ``overhead``.
+
+    A batch mixing short and long rows (bAbI stories beside SQuAD paragraphs) pads every short row
+    to the longest; grouping cuts that padding, and a forward's result does not depend on which
+    rows share it, so the batch's loss and gradients are those of one padded forward. The optimum
+    is over the rows sorted by length (some optimal grouping takes consecutive runs of them),
+    found by dynamic programming. Returns the row indices of each group, shortest rows first.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sizes = [int(lengths[i]) for i in order]
+    n = len(sizes)
+    best = [0] + [None] * n  # best[j]: least cost of the j shortest rows; start[j]: where its last group starts
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * sizes[j - 1] + overhead
+            if best[j] is None or cost < best[j]:
+                best[j], start[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[start[j]:j])
+        j = start[j]
+    return groups[::-1]
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:

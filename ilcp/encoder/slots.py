@@ -45,7 +45,7 @@ from .compressor import BetaVAE, kl_divergence
 from .model import ILCPEncoder
 from .kinds import MAX_COUNT, MemoryKind, config_value
 from ..names import MEMORY_KINDS
-from .pooling import layer_states, pad_id_of, pad_right, tokenize_contexts
+from .pooling import layer_states, length_groups, pad_id_of, pad_right, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
 
 __all__ = ["SlotEncoder", "SlotMemory", "SlotTokens", "slot_counts", "slot_states"]
@@ -250,9 +250,20 @@ class SlotEncoder(ILCPEncoder):
         if self._sender is None:
             raise ValueError("this slot encoder has no sender LM: bind_sender(model, tokenizer, max_length, layers)")
         model, tokenizer, max_length, layers = self._sender
-        ids, mask = pad_right(tokenize_contexts(tokenizer, contexts, max_length), pad_id_of(tokenizer))
+        tokens = tokenize_contexts(tokenizer, contexts, max_length)
         device = model.get_input_embeddings().weight.device
-        return slot_states(model, self.slots, mask.to(device), layers, input_ids=ids.to(device))
+        parts, masks, rows = [], [], []
+        for group in length_groups([len(t) for t in tokens]):  # similar lengths share a forward: less padding
+            ids, mask = pad_right([tokens[i] for i in group], pad_id_of(tokenizer))
+            states, slot_mask = slot_states(model, self.slots, mask.to(device), layers, input_ids=ids.to(device))
+            parts.append(states)
+            masks.append(slot_mask)
+            rows.extend(group)
+        n = max(m.shape[1] for m in masks)
+        order = torch.tensor(rows, device=device).argsort()  # back in the contexts' order
+        states = torch.cat([F.pad(x, (0, 0, 0, n - x.shape[1])) for x in parts])[order]
+        slot_mask = torch.cat([F.pad(m, (0, n - m.shape[1])) for m in masks])[order]
+        return states, slot_mask
 
     def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[list[Tensor], Tensor]:
         """(one (N_i * K, H) memory per row in `dtype`, mean KL of the real slots' posteriors)."""

@@ -36,6 +36,7 @@ from ..config import TrainConfig
 from ..config_sections import HandoffConfig
 from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
+from ..encoder.pooling import length_groups
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
 from ..receiver.prefix import ReceiverPrefix, receiver_prefix
@@ -263,19 +264,26 @@ class HandoffModule(L.LightningModule):
         (B, n_keep - 1, V) float32 and targets (B, n_keep - 1) it was computed from.
 
         Left padding puts every labelled token at the right edge, so only the logits of the last
-        positions are computed: position t predicts token t + 1."""
-        inputs_embeds, attention_mask, position_ids = left_pad(sequences)
-        device = inputs_embeds.device
+        positions are computed: position t predicts token t + 1. Rows of very different lengths
+        run as separate forwards (`length_groups`): the same logits, less padding."""
+        device = sequences[0].device
         if n_keep is None:
             n_keep = max(len(lab) - int((lab == -100).sum()) for lab in labels) + 1
         targets = torch.full((len(labels), n_keep - 1), -100, dtype=torch.long, device=device)
         for i, lab in enumerate(labels):
             tail = lab[-(n_keep - 1):]
             targets[i, n_keep - 1 - len(tail):] = tail
-        with recomputing(self.lm, self.recompute_layers and torch.is_grad_enabled()):
-            out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
-        logits = out.logits[:, -n_keep:-1].float()
+        parts, rows = [], []
+        for group in length_groups([len(seq) for seq in sequences]):
+            inputs_embeds, attention_mask, position_ids = left_pad([sequences[i] for i in group])
+            with recomputing(self.lm, self.recompute_layers and torch.is_grad_enabled()):
+                out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
+            tail = out.logits[:, -n_keep:-1].float()
+            # a group narrower than n_keep: its missing leading positions carry no label
+            parts.append(F.pad(tail, (0, 0, n_keep - 1 - tail.shape[1], 0)))
+            rows.extend(group)
+        logits = torch.cat(parts)[torch.tensor(rows, device=device).argsort()]  # back in the batch's order
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         return loss, logits, targets
 
@@ -312,7 +320,8 @@ class HandoffModule(L.LightningModule):
     @torch.no_grad()
     def _loss_and_answers(self, batch: dict) -> tuple[Tensor, list[str]]:
         """The teacher-forced answer loss and the greedy answers of a batch, from one prefill of
-        its receiver prefixes (`ilcp.receiver.decoding.answer_loss_and_greedy`)."""
+        its receiver prefixes (`ilcp.receiver.decoding.answer_loss_and_greedy`) per group of
+        similar lengths (`length_groups`); the loss is the mean over every answer token."""
         memory, _ = self.memory(batch)
         with_context = self.source.reads_context_text
         prefixes, targets = [], []
@@ -320,7 +329,14 @@ class HandoffModule(L.LightningModule):
             prefixes.append(self.prefix(memory[i], context, question, with_context).embeds(self.lm))
             targets.append(self.tokenizer(prompts.answer_text(answer, self.tokenizer),
                                           add_special_tokens=False)["input_ids"])
-        return answer_loss_and_greedy(self.lm, self.tokenizer, prefixes, targets, max_new_tokens=self.cfg.max_new_tokens)
+        total, answers = 0.0, [""] * len(prefixes)
+        for group in length_groups([len(p) for p in prefixes]):
+            loss, said = answer_loss_and_greedy(self.lm, self.tokenizer, [prefixes[i] for i in group],
+                                                [targets[i] for i in group], max_new_tokens=self.cfg.max_new_tokens)
+            total = total + loss * sum(len(targets[i]) for i in group)
+            for i, text in zip(group, said):
+                answers[i] = text
+        return total / sum(len(t) for t in targets), answers
 
     @torch.no_grad()
     def answer(self, batch: dict, rows: list[int] | None = None) -> list[str]:
