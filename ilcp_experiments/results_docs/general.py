@@ -10,13 +10,16 @@ from ilcp.formatting import percent
 
 from .folders import load
 
-# The question-blind handoff (configs/general.yaml, from the shipped pretrained encoder): one run's
-# eval over its trained and held-out tasks
-GENERAL_FOLDER = "general-pretrained"
+# The question-blind handoff (configs/general.yaml, from the shipped pretrained encoder, kept frozen):
+# one run's eval over its trained and held-out tasks
+GENERAL_FOLDER = "general-frozen-run"
 GENERAL_FIGURES = ("general_squad_f1.png", "general_tasks.png")
 # Other handoffs read on the general run's questions, shown beside its methods: (folder, the method
 # in that folder, the column's name). A task joins only where the folder has it with as many questions.
-GENERAL_SIDE = (("general-codec", "ilcp", "codec"), ("general-pooled", "ilcp", "pooled"),
+# cold_read and no_context read no trained weights: the earlier run's rows are theirs on these questions.
+GENERAL_SIDE = (("general-pretrained", "cold_read", "cold_read"), ("general-pretrained", "no_context", "no_context"),
+                ("general-pretrained", "ilcp", "ilcp (sender fine-tuned)"),
+                ("general-codec", "ilcp", "codec"), ("general-pooled", "ilcp", "pooled"),
                 ("general-long", "cold_read_tuned", "cold_read_tuned (long)"), ("general-long", "ilcp", "ilcp (long)"),
                 ("general", "ilcp", "ilcp (slots pretrained in the run)"))
 
