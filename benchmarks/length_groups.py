@@ -9,7 +9,7 @@ tuned vectors' backward), and prints the seconds per batch, the speed-up, the pa
 per real one, and the largest difference between the two losses (rounding only).
 
     python benchmarks/length_groups.py                       # configs/general.yaml, 6 batches of 8
-    python benchmarks/length_groups.py --config configs/squad.yaml --batches 10
+    python benchmarks/length_groups.py --config configs/squad.yaml --batches 10 --json /tmp/groups.json
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import torch
 
 from ilcp.config import load_config
 from ilcp.config_sections import HandoffConfig
+from ilcp.io import atomic_write_json
 from ilcp.lm import load_lm
 from ilcp.precision import autocast, hold, resolve
+from ilcp.provenance import provenance
 from ilcp.training import handoff_stage
 from ilcp.training.data import load_rows
 from ilcp.training.handoff_stage import HandoffModule, make_memory_source
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lm", default=None, help="LM spec (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         parser.error("--batches and --batch-size must be at least 1")
@@ -96,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     gap = max(abs(a - b) for a, b in zip(losses["one padded forward"], losses["length groups"]))
     print(f"speed-up: {plain[0][0] / grouped[0][0]:.2f}x without gradients, {plain[1][0] / grouped[1][0]:.2f}x with; "
           f"largest loss difference {gap:.2e}")
+    if args.json:
+        atomic_write_json(Path(args.json), {
+            "provenance": provenance(), "task": cfg.data.task, "batches": args.batches, "batch_size": args.batch_size,
+            "precision": precision, "padded_per_real_position": padded, "largest_loss_difference": gap,
+            "rows": [{"route": name, "no_gradient_s": t[0][0], "with_gradient_s": t[1][0]} for name, t in timings.items()]})
     return 0
 
 
