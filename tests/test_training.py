@@ -232,6 +232,31 @@ def test_rows_of_very_different_lengths_run_apart_with_the_loss_and_gradients_of
     assert answers == [module.answer({k: [v[i]] for k, v in batch.items()})[0] for i in range(4)]
 
 
+def test_a_row_shorter_than_the_longest_answer_runs_apart_with_the_same_loss(tiny_lm, monkeypatch):
+    """A short row in its own forward, narrower than the positions the loss reads (another row's
+    answer is longer than it): its logits are padded where it has no labels; the loss and logits
+    equal one padded forward's."""
+    from ilcp.config_sections import HandoffConfig
+    from ilcp.training import handoff_stage
+
+    source = make_memory_source("prompt_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
+    module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2))
+    embed = tiny_lm.model.get_input_embeddings()
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 200, (3,), generator=gen), torch.randint(0, 200, (110,), generator=gen)]
+    sequences = [embed(i).detach() for i in ids]
+    labels = [torch.tensor([-100, -100] + ids[0][2:].tolist()), torch.tensor([-100] * 10 + ids[1][10:].tolist())]
+    assert len(handoff_stage.length_groups([3, 110])) == 2
+    with torch.no_grad():
+        loss, logits, targets = module._loss_on_tail(sequences, labels)
+        monkeypatch.setattr(handoff_stage, "length_groups", lambda lengths: [list(range(len(lengths)))])
+        one_loss, one_logits, one_targets = module._loss_on_tail(sequences, labels)
+    assert torch.equal(targets, one_targets)
+    torch.testing.assert_close(loss, one_loss, rtol=1e-5, atol=1e-5)
+    known = targets != -100
+    torch.testing.assert_close(logits[known], one_logits[known], rtol=1e-4, atol=1e-4)
+
+
 def test_default_yaml_mirrors_the_built_in_defaults():
     assert load_config(REPO / "configs" / "default.yaml") == load_config(None)
 
