@@ -18,11 +18,11 @@ FIGURE = "at_a_glance.png"
 # The results at a glance: (task, what is handed over, folder, method). Every figure of the
 # README's table is read from these folders' results.json.
 GLANCE = (
-    ("babi:1", "nothing (question alone)", "main-held", "no_context"),
-    ("babi:1", "nothing, 8 tuned vectors", "main-held", "prompt_tuned"),
-    ("babi:1", "text (cold read)", "main-held", "cold_read"),
-    ("babi:1", "text, 8 tuned vectors", "main-held", "cold_read_tuned"),
-    ("babi:1", "ILCP: one 32-float latent (default)", "main-held", "ilcp"),
+    ("babi:1", "nothing (question alone)", "main-length-groups", "no_context"),
+    ("babi:1", "nothing, 8 tuned vectors", "main-length-groups", "prompt_tuned"),
+    ("babi:1", "text (cold read)", "main-length-groups", "cold_read"),
+    ("babi:1", "text, 8 tuned vectors", "main-length-groups", "cold_read_tuned"),
+    ("babi:1", "ILCP: one 32-float latent (default)", "main-length-groups", "ilcp"),
     ("babi:1", "RCLC: overlap rows r4, 8 tuned vectors", "rclc-tuned200-babi1/b", "rclc:overlap:r4:tuned"),
     ("babi:1", "RCLC: chunkkv rows b16, zero-shot", "default-rclc", "rclc:chunkkv:b16"),
     ("babi:11", "nothing, 8 tuned vectors", "babi11-reference", "prompt_tuned"),
