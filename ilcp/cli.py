@@ -25,7 +25,7 @@ import yaml
 from .config import load_config
 from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
-                    DEFAULT_THROUGHPUT_N, ENGINES, METHOD_FAMILIES, METHOD_GROUPS, METHODS, PAYLOAD_DTYPES, PRECISIONS,
+                    DEFAULT_THROUGHPUT_N, ENGINES, EVAL_SPLITS, METHOD_FAMILIES, METHOD_GROUPS, METHODS, PAYLOAD_DTYPES, PRECISIONS,
                     SELECTORS, method_names, split_task_names, unknown_method)
 
 TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned baselines) for one LM.
@@ -48,10 +48,11 @@ _EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload 
     ilcp-eval --ckpt checkpoints/default --only-tasks --tasks babilong:1:2k --methods rclc-budgets   # long contexts only
     .venv-vllm/bin/python eval.py --ckpt checkpoints/default --engine vllm --throughput-batches 1,8,32
 
-The run's training task (test split; config.json's task and task_settings) is always
-evaluated; --tasks adds others, reported separately and marked held out. By default 200
-questions per task (95% intervals of about +-6 percentage points at 25% accuracy; --limit 0 for
-the whole 1,000-question bAbI test file) and 20 timed requests per method: with SmolLM2 on 2 CPU
+The run's training task (config.json's task and task_settings) is always evaluated, on its test
+split (--split validation: the rows each task held out of training, to choose between runs);
+--tasks adds others, reported separately and marked held out. By default 200 questions per task
+(95% intervals of about +-6 percentage points at 25% accuracy; --limit 0 for the whole
+1,000-question bAbI test file) and 20 timed requests per method: with SmolLM2 on 2 CPU
 cores with bfloat16 (AVX512-BF16), about 1.5 minutes per bAbI task plus half a minute for the
 context-length sweep (docs/results/main-held: 113 s in all). Writes results.json, results.md,
 predictions.jsonl and PNG plots into --out (default results/RUN) and prints the tables.
@@ -254,8 +255,11 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         help=f"methods and groups, comma-separated (default: {','.join(DEFAULT_METHODS)}; known: "
                              f"{', '.join(method_names())}, where rclc:... is rclc:SELECTOR:rN or :bN "
                              f"[:prefix|:tuned]; groups: {', '.join(METHOD_GROUPS)})")
+    parser.add_argument("--split", default="test", choices=EVAL_SPLITS,
+                        help="whose questions every task asks: test (default), or validation, to choose between "
+                             "runs or settings without reading the test split")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
-                        help=f"questions per task, the first of the test split (default {DEFAULT_LIMIT}; 0 = all)")
+                        help=f"questions per task, the first of the split (default {DEFAULT_LIMIT}; 0 = all)")
     parser.add_argument("--latency-n", type=int, default=DEFAULT_LATENCY_N,
                         help=f"requests timed one at a time per method and task (default {DEFAULT_LATENCY_N}; 0 = none)")
     parser.add_argument("--batch-size", type=int, default=8, help="greedy-decoding batch size for accuracy (default 8)")
@@ -308,7 +312,7 @@ def eval_config(args: argparse.Namespace, out: Path) -> EvalConfig:
         raise ValueError(f"--vllm-kv-cache-mb must be >= 1, got {args.vllm_kv_cache_mb}")
     export_key = read_export_key(args.export_key_file)
     return EvalConfig(
-        tasks=args.tasks, methods=args.methods, limit=args.limit, latency_n=args.latency_n,
+        tasks=args.tasks, methods=args.methods, split=args.split, limit=args.limit, latency_n=args.latency_n,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, lengths=args.lengths,
         length_n=args.length_n, facts_counts=args.facts_counts, facts_count_limit=args.facts_count_limit,
         seed=args.seed, out=out, device=args.device, progress=not args.no_progress,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 from .checks import check_key
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
-                    DEFAULT_THROUGHPUT_N, ENGINES, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
+                    DEFAULT_THROUGHPUT_N, ENGINES, EVAL_SPLITS, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
 from .engines.build import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
 
 
@@ -65,7 +65,9 @@ class EvalConfig:
                                  "task of a run trained on short contexts)")
     methods: list = _f(list(DEFAULT_METHODS), "method names and groups (ilcp.evaluation.registry.make_method); those "
                                               "whose weights the run lacks are skipped with a note")
-    limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the test split (None or 0: all)")
+    split: str = _f("test", "whose questions every task asks: 'test', or 'validation' (to choose between runs or "
+                            "settings without reading the test split)")
+    limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the split (None or 0: all)")
     latency_n: int = _f(DEFAULT_LATENCY_N, "requests timed one at a time per method and task (0: no latency)")
     batch_size: int = _f(8, "greedy-decoding batch size of the accuracy pass")
     max_new_tokens: int = _f(8, "answer token budget")
@@ -108,6 +110,8 @@ class EvalConfig:
         bad = [m for m in self.tasks + self.methods if not isinstance(m, str)]
         if bad:
             raise ValueError(f"tasks and methods must be names (strings), got {bad[0]!r}")
+        if self.split not in EVAL_SPLITS:
+            raise ValueError(f"split must be one of {', '.join(EVAL_SPLITS)}, got {self.split!r}")
         self.limit = None if self.limit in (None, 0) else _int("limit", self.limit, 1)
         for name, low in (("latency_n", 0), ("batch_size", 1), ("max_new_tokens", 1), ("length_n", 1),
                           ("facts_count_limit", 1), ("seed", 0), ("throughput_n", 1), ("vllm_kv_cache_bytes", 1)):

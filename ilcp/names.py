@@ -266,6 +266,7 @@ DEFAULT_LENGTHS = (64, 256, 1024, 2048)
 DEFAULT_FACTS_COUNTS = (1, 2, 4, 8, 16)
 DEFAULT_THROUGHPUT_N = 64
 ENGINES = ("hf", "vllm")
+EVAL_SPLITS = ("test", "validation")  # whose questions eval asks
 PAYLOAD_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 

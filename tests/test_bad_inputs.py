@@ -387,6 +387,16 @@ def _(s):
     return ["--ckpt", str(s.run), "--tasks", "trivia"]
 
 
+@eval_case("unknown --split", "invalid choice: 'train'")
+def _(s):
+    return ["--ckpt", str(s.run), "--split", "train"]
+
+
+@eval_case("held-out facts at the validation split", "'facts-heldout'", "only its test split holds")
+def _(s):
+    return ["--ckpt", str(s.run), "--split", "validation", "--only-tasks", "--tasks", "facts-heldout"]
+
+
 @eval_case("bAbI task not shipped", "babi:99")
 def _(s):
     return ["--ckpt", str(s.run), "--tasks", "babi:99"]

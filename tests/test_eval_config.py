@@ -118,7 +118,7 @@ def test_evaluate_takes_a_config_or_its_fields_and_runs_part_by_part(tiny_run, t
     assert from_config["settings"]["methods"] == ["no_context", "ilcp"] and from_config["settings"]["limit"] == 4
     written = json.loads((tmp_path / "a" / "results.json").read_text())
     assert written["tasks"]["babi:1"]["n"] == 4
-    assert any(line.startswith("task babi:1 (seen in training): 4 of 1000 questions") for line in lines)
+    assert any(line.startswith("task babi:1 (seen in training): 4 of 1000 test questions") for line in lines)
     # keywords given with a config replace its fields
     one = eval_run.evaluate(run_dir, cfg, lm=tiny_lm, methods=["no_context"], out=None)
     assert list(one["tasks"]["babi:1"]["methods"]) == ["no_context"] and cfg.methods == ["no_context", "ilcp"]

@@ -206,7 +206,10 @@ def markdown_report(results: dict) -> str:
         f"# Handoff evaluation: {results['run']['path']}",
         "",
         f"LM `{results['run']['lm_spec']}` (fingerprint {results['run']['fingerprint']}), trained on "
-        f"`{results['run']['train_task']}`. Limit per task: {limit}; latency: the first {s['latency_n']} "
+        f"`{results['run']['train_task']}`. "
+        + ("Questions of the validation split of each task (not its test split). "
+           if s.get("split", "test") != "test" else "")
+        + f"Limit per task: {limit}; latency: the first {s['latency_n']} "
         f"rows of each task, one request at a time; batch size {s['batch_size']}; greedy, "
         f"{s['max_new_tokens']} new tokens at most. Compute precision {s.get('precision', '32-true')} on "
         f"{s.get('device', '?')} with {s.get('torch_threads', '?')} torch threads; {results.get('seconds', '?')} s "

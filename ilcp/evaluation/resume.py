@@ -32,7 +32,8 @@ def part_key(session: EvalSession, task: str, method: str) -> dict:
             "lm": session.lm.fingerprint, "task": task, "method": method, "limit": cfg.limit,
             "latency_n": cfg.latency_n, "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
             "payload_dtype": cfg.payload_dtype, "engine": cfg.engine, "precision": session.precision,
-            "package": __version__}
+            "package": __version__,
+            **({"split": cfg.split} if cfg.split != "test" else {})}  # test parts saved before the split keep their key
 
 
 def read_part(path: Path, key: dict) -> tuple[dict, list[str], list[str] | None] | None:

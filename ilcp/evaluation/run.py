@@ -10,8 +10,9 @@ the parts below as separate functions over it, in this order.
 
 The run's training task and its settings come from its config.json (``task``, ``task_settings``:
 the facts task is rebuilt with the run's number of facts, distractors and seed; bAbI tasks read
-the ``en`` test file). For each task (the run's training task, test split, plus the ``tasks``
-given) and each method (`evaluate_task`):
+the ``en`` test file). Every task is asked the questions of one split (``split``: test, or
+validation, the rows each source holds out of training: bAbI's from the run's variant and seed).
+For each task (the run's training task plus the ``tasks`` given) and each method (`evaluate_task`):
 1. accuracy, batched (`.batching`): the method builds the receiver prefixes of every row, one greedy decoder
    answers them; exact match and contains on the normalised first line, token F1, 95% Wilson
    intervals of the two accuracies, wire bytes and tensor bytes per request and prefill positions
@@ -129,7 +130,7 @@ def _evaluate(ckpt, config: EvalConfig, lm: LM | None, vllm: VLLMDecoder | None,
                 "latent_dim": session.handoff.spec.latent_dim if session.handoff is not None else None,
                 "num_memory_tokens": session.run_config.get("num_memory_tokens"),
                 "export_verified": config.export_key is not None},
-        "settings": {"limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,
+        "settings": {"split": config.split, "limit": config.limit, "latency_n": config.latency_n, "batch_size": config.batch_size,
                      "max_new_tokens": config.max_new_tokens, "intervals": "wilson", "seed": config.seed,
                      "methods": session.asked, "tasks": [s.name for s in session.tasks], "device": str(lm.device),
                      "engine": config.engine, "precision": session.precision,
@@ -159,7 +160,7 @@ def _evaluate(ckpt, config: EvalConfig, lm: LM | None, vllm: VLLMDecoder | None,
 def evaluate_task(session: EvalSession, spec: Task,
                   built: EvalRows | None = None) -> tuple[dict, tuple[list[dict], dict, dict]]:
     """Accuracy (batched, HF and with engine="vllm" vLLM too) and latency (unbatched, the first
-    ``latency_n`` rows) of every bound method on one task's test split (``built``: its rows, when
+    ``latency_n`` rows) of every bound method on one task's split (``built``: its rows, when
     already built).
 
     Returns:
@@ -171,7 +172,7 @@ def evaluate_task(session: EvalSession, spec: Task,
     rows, available, source = built.rows, built.available, built.source
     seen = spec.name in session.trained_on
     say(f"task {spec.name} ({'seen in training' if seen else 'held out'}): {len(rows)} of {available} "
-        f"questions, {len(session.methods)} methods")
+        f"{cfg.split} questions, {len(session.methods)} methods")
     task_result = {"seen_in_training": seen, "source": source, "n": len(rows), "available": available,
                    "limit": cfg.limit, "methods": {}}
     lengths = context_lengths(session.lm.tokenizer, [r["context"] for r in rows]) if rows else [0]

@@ -152,7 +152,7 @@ class EvalSession:
     tasks: list[Task]  # the run's training task(s) first
     trained_on: set[str]
     facts_settings: dict | None  # the run's facts task settings when a facts task is evaluated
-    task_context: EvalTaskContext  # what a task needs to build its test rows
+    task_context: EvalTaskContext  # what a task needs to build the rows of the split asked
     vllm: VLLMDecoder | None = None
     engine_info: dict | None = None
     say: Callable[[str], None] = lambda message: None
@@ -216,7 +216,7 @@ def open_session(ckpt: str | os.PathLike, config: EvalConfig, *, lm: LM | None =
             say(f"skipping {m.name}: {e}")
     limit = lm.context_limit
     sender_limit = handoff.max_length if handoff is not None else limit
-    task_context = EvalTaskContext(tokenizer=lm.tokenizer, max_tokens=limit if sender_limit >= limit else None,
+    task_context = EvalTaskContext(tokenizer=lm.tokenizer, split=config.split, max_tokens=limit if sender_limit >= limit else None,
                                    text_limit=limit,
                                    task_settings=dict(run_config.get("task_settings") or {}),
                                    facts_settings=facts_settings, train_task=run_config["task"])

@@ -61,7 +61,7 @@ def throughput_table(session: EvalSession) -> dict | None:
 
 def context_length_sweep(session: EvalSession) -> dict | None:
     """Receiver time to first token of `LENGTH_METHODS` on facts contexts of about each of
-    ``lengths`` tokens (``length_n`` requests each, contexts seeded by ``seed``); None without
+    ``lengths`` tokens (``length_n`` requests each, of the split asked, seeded by ``seed``); None without
     lengths or without those methods."""
     cfg, say = session.config, session.say
     methods = session.methods_named(LENGTH_METHODS)
@@ -74,7 +74,7 @@ def context_length_sweep(session: EvalSession) -> dict | None:
     warmed = set()
     for target in lengths:
         settings = facts_for_length(target, tokenizer)
-        rows = make_facts(n, split="test", seed=cfg.seed, **settings).to_list()
+        rows = make_facts(n, split=cfg.split, seed=cfg.seed, **settings).to_list()
         tokens = sum(count_tokens(r["context"], tokenizer) for r in rows) / len(rows)
         for m in methods:
             if m.name not in warmed:
@@ -100,7 +100,8 @@ def facts_count_sweep(session: EvalSession) -> dict | None:
     """For a run trained on the facts task: accuracy of `FACTS_COUNT_METHODS` on facts contexts with
     each of ``facts_counts`` facts (the run's distractor count, ``facts_count_limit`` questions
     each); a run trained on training values only is asked held-out values, so the sweep measures
-    reading. None for another run, without counts or without those methods."""
+    reading (so a validation evaluation of such a run skips the sweep: only the test split holds
+    held-out values). None for another run, without counts or without those methods."""
     cfg, say = session.config, session.say
     if session.run_config["task"] != "facts" or not cfg.facts_counts:
         return None
@@ -108,12 +109,15 @@ def facts_count_sweep(session: EvalSession) -> dict | None:
     if not methods:
         return None
     counts, n, settings = cfg.facts_counts, cfg.facts_count_limit, session.facts_settings
+    heldout = {"value_split": "heldout"} if settings.get("value_split") == "train" else {}
+    if heldout and cfg.split != "test":
+        say("facts-count sweep skipped: the run trained on training values, and only the test split holds held-out ones")
+        return None
     say(f"facts-count sweep: {', '.join(m.name for m in methods)} at {list(counts)} facts, {n} questions each")
     rows_out = []
     for count in counts:
-        heldout = {"value_split": "heldout"} if settings.get("value_split") == "train" else {}
         rows = make_facts(n, n_facts=count, n_distractors=settings["n_distractors"], seed=settings["seed"],
-                          split="test", **heldout).to_list()
+                          split=cfg.split, **heldout).to_list()
         for m in methods:
             metrics, _, _ = accuracy(m, rows, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
                                      progress=cfg.progress, desc=f"{count} facts {m.name}")

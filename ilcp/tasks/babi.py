@@ -341,12 +341,24 @@ class BabiTask(Task):
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
         (number,) = self.numbers
-        rows = load_babi(number, "test", variant="en").to_list()
-        return EvalRows(rows if limit is None else rows[:limit], len(rows),
-                        f"bAbI en test file {babi_file(number, 'test', variant='en').name}")
+        if context.split == "test":
+            rows = load_babi(number, "test", variant="en").to_list()
+            what = f"bAbI en test file {babi_file(number, 'test', variant='en').name}"
+        else:  # the stories the run held out of its training file (its variant and seed)
+            variant, seed = babi_validation_source(context.task_settings)
+            rows = load_babi(number, "validation", variant=variant, seed=seed).to_list()
+            what = (f"bAbI {variant} validation stories of {babi_file(number, 'train', variant=variant).name} "
+                    f"(seed {seed})")
+        return EvalRows(rows if limit is None else rows[:limit], len(rows), what)
 
     def check_evaluable(self) -> None:
         check_test_files(self.name, babi_task_numbers(self._tasks()))
+
+
+def babi_validation_source(task_settings: dict) -> tuple[str, int]:
+    """The bAbI variant and seed whose train-file stories a run held out as validation (config.json
+    ``task_settings``; "en" and 0 where a run recorded none)."""
+    return task_settings.get("babi_variant") or "en", int(task_settings.get("seed", 0))
 
 
 def check_test_files(task: str, numbers) -> None:

@@ -11,7 +11,7 @@ import os
 from ..names import BabilongTask, length_label, parse_babilong_name
 from .babilong_context import GENERATOR_VERSION, babilong_context, story_sentences, tokenizer_key
 from .background import background_key
-from .babi import babi_file, check_test_files, load_babi
+from .babi import babi_file, babi_validation_source, check_test_files, load_babi
 from .base import check_limit, check_split, interleave, source_key, to_dataset
 from .registry import EvalTaskContext, EvalRows, Task, register_task
 
@@ -153,11 +153,15 @@ class BabilongTaskEntry(Task):
         return {"variant": data.babi_variant, "limit": size, "seed": data.seed, "tokenizer": tokenizer}
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
-        number, length = self.parsed.number, self.parsed.length
-        available = len(load_babi(number, "test", variant="en"))
-        rows = load_babilong(self.name, "test", tokenizer=context.tokenizer, variant="en", limit=limit).to_list()
-        desc = (f"bAbI en test file {babi_file(number, 'test', variant='en').name} in {length}-token contexts of "
-                "test background (ilcp.tasks.babilong_context, seed 0)")
+        number, length, split = self.parsed.number, self.parsed.length, context.split
+        variant, seed = ("en", 0) if split == "test" else babi_validation_source(context.task_settings)
+        available = len(load_babi(number, split, variant=variant, seed=seed))
+        rows = load_babilong(self.name, split, tokenizer=context.tokenizer, variant=variant, seed=seed,
+                             limit=limit).to_list()
+        stories = (f"bAbI en test file {babi_file(number, 'test', variant='en').name}" if split == "test" else
+                   f"bAbI {variant} validation stories of {babi_file(number, 'train', variant=variant).name}")
+        desc = (f"{stories} in {length}-token contexts of {split} background (ilcp.tasks.babilong_context, "
+                f"seed {seed})")
         return EvalRows(rows, available, desc)
 
     def check_evaluable(self) -> None:

@@ -341,14 +341,18 @@ class FactsTask(Task):
         return kwargs
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
-        """The test split built with the run's facts settings (``context.facts_settings``)."""
+        """The split asked (``context.split``), built with the run's facts settings (``context.facts_settings``)."""
         n = FACTS_TEST_SIZE if limit is None else min(limit, FACTS_TEST_SIZE)
         settings = dict(context.facts_settings)
         if self.value_split is not None:
             settings["value_split"] = self.value_split
-        rows = make_facts(n, split="test", **settings).to_list()
+        split = context.split
+        if split != "test" and settings.get("value_split") == "heldout":
+            raise ValueError(f"task {self.name!r} asks held-out values, which only its test split holds: "
+                             "evaluate it with split test")
+        rows = make_facts(n, split=split, **settings).to_list()
         values = {None: "", "train": ", training values", "heldout": ", held-out values"}[settings.get("value_split")]
-        desc = (f"facts test split ({settings['n_facts']} facts, {settings['n_distractors']} "
+        desc = (f"facts {split} split ({settings['n_facts']} facts, {settings['n_distractors']} "
                 f"distractors, seed {settings['seed']}{values})")
         return EvalRows(rows, FACTS_TEST_SIZE, desc)
 

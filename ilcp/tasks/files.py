@@ -359,15 +359,15 @@ class FileTask(Task):
         return settings
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
-        """The test split, carved with the run's split settings (config.json ``task_settings``) and
+        """The split asked (``context.split``), carved with the run's split settings (config.json ``task_settings``) and
         read with its column names (``columns``)."""
         s = context.task_settings
         overlap = bool(s.get("allow_split_overlap", False))
-        rows = self.load("test", columns=s.get("columns") or {}, validation_fraction=s.get("validation_fraction", 0.1),
+        rows = self.load(context.split, columns=s.get("columns") or {}, validation_fraction=s.get("validation_fraction", 0.1),
                          test_fraction=s.get("test_fraction", 0.1), seed=s.get("seed", 0), tokenizer=context.tokenizer,
                          max_tokens=context.max_tokens, text_limit=context.text_limit,
                          allow_overlap=overlap).to_list()
-        what = f"{self.name}, test split" + (" (its contexts may also be in train: the run set "
+        what = f"{self.name}, {context.split} split" + (" (its contexts may also be in train: the run set "
                                              "data.allow_split_overlap=true)" if overlap else "")
         return EvalRows(rows if limit is None else rows[:limit], len(rows), what)
 

@@ -25,12 +25,14 @@ from .base import check_split
 
 @dataclass(frozen=True)
 class EvalTaskContext:
-    """What eval knows when it builds a task's test rows: the LM's tokenizer and token limit for a
+    """What eval knows when it builds a task's rows: the split asked (``split``: "test" or
+    "validation"), the LM's tokenizer and token limit for a
     context (None where the sender cuts long contexts) and for a question or answer, the run's recorded task settings (config.json
     ``task_settings``) and facts settings (`ilcp.evaluation.run.run_facts_settings`), and the
     training task's name."""
 
     tokenizer: object = None
+    split: str = "test"
     max_tokens: int | None = None
     text_limit: int | None = None  # the LM's positions: no question or answer may be longer
     task_settings: dict = field(default_factory=dict)
@@ -41,7 +43,7 @@ class EvalTaskContext:
 @dataclass(frozen=True)
 class EvalRows:
     rows: list[dict]
-    available: int  # questions in the whole test split
+    available: int  # questions in the whole split
     source: str  # what the rows were built from, for results.json
 
 
@@ -74,8 +76,8 @@ class Task:
         return {}
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
-        """The test split's rows (the first ``limit``) and what eval reports of their source."""
-        rows = self.load("test").to_list()
+        """The rows of ``context.split`` (the first ``limit``) and what eval reports of their source."""
+        rows = self.load(context.split).to_list()
         return EvalRows(rows if limit is None else rows[:limit], len(rows), self.name)
 
     def check_evaluable(self) -> None:

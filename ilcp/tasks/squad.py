@@ -52,9 +52,10 @@ class SquadTask(FileTask):
         return {}
 
     def eval_rows(self, limit: int | None, context: EvalTaskContext) -> EvalRows:
-        rows = self.load("test", tokenizer=context.tokenizer, max_tokens=context.max_tokens).to_list()
+        split = context.split
+        rows = self.load(split, tokenizer=context.tokenizer, max_tokens=context.max_tokens).to_list()
         return EvalRows(rows if limit is None else rows[:limit], len(rows),
-                        "SQuAD v1.1 subset, test split (data/squad/test.jsonl: articles of no other split)")
+                        f"SQuAD v1.1 subset, {split} split (data/squad/{split}.jsonl: articles of no other split)")
 
 
 @register_task("squad")
