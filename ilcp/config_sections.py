@@ -326,6 +326,9 @@ class ReconstructConfig:
     continuation: float = _f(0.0, "share of texts read as a continuation: the memory of a text's first half, the receiver "
                                   "goes on with the second (0 = reconstruction only; needs compressor.pooling=slots)")
     patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)")
+    beta: float = _f(0.0, "weight of the memory latents' KL term in the reconstruction loss; above 0 the training "
+                          "memory is read from latents drawn from their posterior, a noisy channel (its mean still "
+                          "crosses in eval and the export; 0 = the mean and no KL term)")
     text_tokens: int = _f(0, "cut every text the stage reads into consecutive windows of this many tokens, each its "
                              "own text (a last window under half of it dropped): every slot's memory is then one the "
                              "loss reads (0 = whole texts; needs compressor.pooling=slots)")
@@ -341,9 +344,9 @@ class ReconstructConfig:
                              f"{self.token_steps} and {self.random_texts}")
         if self.token_logits not in SNAP_METRICS:
             raise ValueError(f"reconstruct.token_logits must be one of {list(SNAP_METRICS)}, got {self.token_logits!r}")
-        if self.token_weight < 0 or self.token_shape_weight < 0:
-            raise ValueError(f"reconstruct.token_weight and token_shape_weight must be >= 0, got {self.token_weight}, "
-                             f"{self.token_shape_weight}")
+        if self.token_weight < 0 or self.token_shape_weight < 0 or self.beta < 0:
+            raise ValueError(f"reconstruct.token_weight, token_shape_weight and beta must be >= 0, got "
+                             f"{self.token_weight}, {self.token_shape_weight} and {self.beta}")
         for name in ("token_candidates", "random_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")

@@ -55,16 +55,47 @@ def test_the_pretraining_exports_the_encoder_as_its_reconstruction_stage_left_it
     assert handoff.receive(handoff.send(TEXT).to_bytes(), "Where is Mary?") is not None
 
 
-def test_beta_changes_nothing_the_pretraining_learns(pretrained, tiny_lm, tmp_path):
-    """The slots' latent crosses as the posterior's mean and the reconstruction loss has no KL term,
-    so the ladder's beta rungs (0, 0.01, 0.1) pretrain the same weights: beta 0.1 against the
-    recipe's 0.01, every trained tensor equal."""
+def test_compressor_beta_changes_nothing_the_pretraining_learns(pretrained, tiny_lm, tmp_path):
+    """The slots' latent crosses as the posterior's mean and the reconstruction loss has a KL term
+    only with reconstruct.beta > 0, so compressor.beta (stage 1's weight) pretrains the same
+    weights: 0.1 against the recipe's 0.01, every trained tensor equal."""
     other = train(_tiny(tmp_path, extra=["compressor.beta=0.1"]), lm=tiny_lm)
     ours = load_file(str(pretrained.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
     theirs = load_file(str(other.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
     assert pretrained.metrics["reconstruct"]["best_val_loss"] == other.metrics["reconstruct"]["best_val_loss"]
+
+
+def test_reconstruct_beta_trains_a_noisy_channel_whose_mean_still_crosses(pretrained, tiny_lm, tmp_path):
+    """reconstruct.beta > 0: the training memory is read from latents drawn from the posterior and
+    the loss adds beta x KL, so the posterior's spread (the logvar head, frozen at beta 0) learns
+    and the weights differ from the same seed's at beta 0; the export sends the mean."""
+    other = train(_tiny(tmp_path, extra=["reconstruct.beta=0.1"]), lm=tiny_lm)
+    ours = load_file(str(pretrained.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    theirs = load_file(str(other.run_dir / "stages" / "reconstruct" / "reconstruct.safetensors"))
+    logvar = [k for k in ours if "logvar_head" in k]
+    assert logvar and ours.keys() == theirs.keys()
+    assert all(not torch.equal(ours[k], theirs[k]) for k in logvar)
+    mu = [k for k in ours if "mu_head" in k]
+    assert all(not torch.equal(ours[k], theirs[k]) for k in mu)
+    handoff = ILCPHandoff.from_pretrained(other.run_dir, lm=tiny_lm)
+    assert torch.equal(handoff.send(TEXT).latent, handoff.send(TEXT).latent)  # the mean crosses: no draw
+
+
+def test_a_sampled_memory_is_drawn_around_the_mean(pretrained, tiny_lm):
+    from ilcp.training.init_from import pretrained_encoder
+
+    run = _tiny(pretrained.run_dir.parent, extra=[f"compressor.init_from={pretrained.run_dir}"])
+    encoder = pretrained_encoder(run, tiny_lm, 4096)
+    batch = {"context": [TEXT]}
+    with torch.no_grad():
+        mean, kl = encoder.memory_for_batch(batch, torch.float32)
+        again, _ = encoder.memory_for_batch(batch, torch.float32)
+        torch.manual_seed(0)
+        drawn, kl_drawn = encoder.memory_for_batch(batch, torch.float32, sample=True)
+    assert torch.equal(mean[0], again[0]) and torch.equal(kl, kl_drawn)
+    assert mean[0].shape == drawn[0].shape and not torch.equal(mean[0], drawn[0])
 
 
 def test_recomputed_layers_pretrain_the_same_weights(pretrained, tiny_lm, tmp_path):
@@ -253,3 +284,8 @@ def test_text_windows_need_memory_slots(tmp_path):
         load_config(REPO / "configs" / "tiny.yaml", ["reconstruct.text_tokens=8", "reconstruct.steps=2"])
     with pytest.raises(ValueError, match="reconstruct.text_tokens must be >= 0"):
         _tiny(tmp_path, extra=["reconstruct.text_tokens=-1"])
+
+
+def test_a_negative_reconstruct_beta_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="token_shape_weight and beta must be >= 0, got 0.0, 1.0 and -0.1"):
+        _tiny(tmp_path, extra=["reconstruct.beta=-0.1"])

@@ -213,15 +213,18 @@ class ILCPEncoder(nn.Module):
 
     # ---------------------------------------------------------------------------- training
 
-    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[Tensor | list[Tensor], Tensor]:
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype,
+                         sample: bool = False) -> tuple[Tensor | list[Tensor], Tensor]:
         """(memory in `dtype`, mean KL of the batch's posteriors): (B, K, H), or with chunks one
-        (N_i * K, H) tensor per row, N_i its chunks."""
+        (N_i * K, H) tensor per row, N_i its chunks; the memory of the posterior's mean, or with
+        ``sample`` of a latent drawn from it."""
         states, mask = sender_states_of(batch)
         mu, logvar = self.encode(states, mask)
+        latent = self.vae.reparameterise(mu, logvar) if sample else mu
         if not self.chunked:
-            return self.memory(mu, dtype), kl_divergence(mu, logvar).mean()
+            return self.memory(latent, dtype), kl_divergence(mu, logvar).mean()
         real = self.latent_mask(mask)
-        memory = self.memory(mu, dtype)
+        memory = self.memory(latent, dtype)
         k = self.num_memory_tokens
         rows = [memory[i, : int(real[i].sum()) * k] for i in range(memory.shape[0])]
         return rows, kl_divergence(mu[real], logvar[real]).mean()
@@ -300,8 +303,8 @@ class ConstantMemory(nn.Module):
     def num_memory_tokens(self) -> int:
         return self.soft_prompt.shape[0]
 
-    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(the K vectors repeated for each row (B, K, H) in `dtype`, zero KL)."""
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype, sample: bool = False) -> tuple[Tensor, Tensor]:
+        """(the K vectors repeated for each row (B, K, H) in `dtype`, zero KL; nothing to sample)."""
         b = len(batch["question"])
         return self.soft_prompt.to(dtype).unsqueeze(0).expand(b, -1, -1), self.soft_prompt.new_zeros(())
 

@@ -265,11 +265,12 @@ class SlotEncoder(ILCPEncoder):
         slot_mask = torch.cat([F.pad(m, (0, n - m.shape[1])) for m in masks])[order]
         return states, slot_mask
 
-    def memory_for_batch(self, batch: dict, dtype: torch.dtype) -> tuple[list[Tensor], Tensor]:
-        """(one (N_i * K, H) memory per row in `dtype`, mean KL of the real slots' posteriors)."""
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype, sample: bool = False) -> tuple[list[Tensor], Tensor]:
+        """(one (N_i * K, H) memory per row in `dtype`, mean KL of the real slots' posteriors); the
+        memory of the posterior's mean, or with ``sample`` of a latent drawn from it."""
         states, slot_mask = self.sender_states(batch["context"])
         mu, logvar = self.encode(states, slot_mask)
-        memory = self.memory(mu, dtype)
+        memory = self.memory(self.vae.reparameterise(mu, logvar) if sample else mu, dtype)
         k = self.num_memory_tokens
         rows = [memory[i, : int(slot_mask[i].sum()) * k] for i in range(memory.shape[0])]
         return rows, kl_divergence(mu[slot_mask], logvar[slot_mask]).mean()

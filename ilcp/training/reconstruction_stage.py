@@ -178,6 +178,8 @@ class ReconstructionModule(HandoffModule):
                                              add_special_tokens=False)["input_ids"]
         self.token_loss = cfg.reconstruct.token_weight > 0 or cfg.reconstruct.token_steps > 0
         self.pool_layers, self.seed, self.word_pool = tuple(cfg.data.pool_layers), cfg.trainer.seed, None
+        if not encoder.encoder_frozen:  # the KL term, when the loss has one, trains the posterior's spread
+            encoder.vae.logvar_head.requires_grad_(self.kl_in_loss())
         if self.token_loss and not (encoder.chunked and encoder.num_memory_tokens == encoder.chunk_tokens):
             raise ValueError("the token loss reads memory vector j of a chunk as its j-th token: it needs "
                              "compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
@@ -197,6 +199,12 @@ class ReconstructionModule(HandoffModule):
             states = sender_token_states(self.lm, ids, torch.ones_like(ids), self.pool_layers)
         memory, _ = self.memory({"tokens": states, "token_mask": torch.ones_like(ids)})
         return list(memory), ids.tolist()
+
+    def memory(self, batch: dict) -> tuple[Tensor | list[Tensor], Tensor]:
+        """(memory in the LM's dtype, mean KL) of a batch: in training with ``reconstruct.beta`` > 0
+        from latents drawn from the posterior, else from its mean (what crosses)."""
+        sample = self.training and self.kl_in_loss()
+        return self.source.memory_for_batch(batch, self.lm.get_input_embeddings().weight.dtype, sample=sample)
 
     def token_only(self) -> bool:
         """Whether this training step is one of the first ``token_steps`` (token loss alone)."""
@@ -298,6 +306,8 @@ class ReconstructionModule(HandoffModule):
         memory = self.memory(batch)
         loss, kl = self._teacher_forced(batch, memory, targets, prompt_ids)
         self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=n)
+        if self.kl_in_loss():
+            loss = loss + r.beta * kl
         if r.token_weight > 0:
             token_loss, accuracy = self._token_loss(memory[0], self.context_token_ids(batch["context"]))
             self.log_dict({"train/token_loss": token_loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
@@ -315,7 +325,10 @@ class ReconstructionModule(HandoffModule):
             self.log("val/token_acc", accuracy, batch_size=n, sync_dist=True)
 
     def kl_in_loss(self) -> bool:
-        return False
+        """Whether the loss has the latents' KL term (``reconstruct.beta`` > 0). False while the base
+        class's __init__ asks, before ``reconstruct_cfg`` is set; __init__ then sets the logvar head."""
+        r = getattr(self, "reconstruct_cfg", None)
+        return r is not None and r.beta > 0
 
     def configure_optimizers(self):
         r = self.reconstruct_cfg
