@@ -219,6 +219,13 @@ def test_config_train_and_eval_accept_the_name(tokenizer):
     rows, available, source = built.rows, built.available, built.source
     assert len(rows) == 3 and available == 1000 and "2048-token" in source
     assert all(n_tokens(tokenizer, r["context"]) <= 2048 for r in rows)
+    # the validation split: the stories the run held out of its training file, in validation background
+    held = spec.eval_rows(3, EvalTaskContext(tokenizer=tokenizer, split="validation",
+                                             task_settings={"babi_variant": "en", "seed": 0}))
+    assert len(held.rows) == 3 and all("-validation-" in r["id"] for r in held.rows)
+    assert "validation stories of qa2" in held.source and "validation background" in held.source
+    assert held.available == len(load_babi(2, "validation", variant="en"))
+    assert not {r["context"] for r in held.rows} & {r["context"] for r in rows}
     for bad in ("babilong:1", "babilong:99:1k"):
         with pytest.raises(ValueError, match="babilong"):
             parse_task(bad)
