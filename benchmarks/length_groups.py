@@ -28,23 +28,17 @@ from ilcp.io import atomic_write_json
 from ilcp.lm import load_lm
 from ilcp.precision import autocast, hold, resolve
 from ilcp.provenance import provenance
-from ilcp.training import handoff_stage
 from ilcp.training.data import load_rows
 from ilcp.training.handoff_stage import HandoffModule, make_memory_source
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def one_group(lengths):
-    """Every row in one padded forward (the route before length groups)."""
-    return [list(range(len(lengths)))] if len(lengths) else []
-
-
 def time_route(module: HandoffModule, batches: list[dict], grouped: bool, grad: bool,
                precision: str) -> tuple[float, list[float]]:
-    """(seconds per batch, each batch's loss) of the answer loss over ``batches``."""
-    saved = handoff_stage.length_groups
-    handoff_stage.length_groups = saved if grouped else one_group
+    """(seconds per batch, each batch's loss) of the answer loss over ``batches``, with ``grouped``
+    as ``trainer.length_groups`` sets it."""
+    saved, module.grouped = module.grouped, grouped
     losses, start = [], time.perf_counter()
     try:
         for batch in batches:
@@ -54,9 +48,8 @@ def time_route(module: HandoffModule, batches: list[dict], grouped: bool, grad: 
                     loss.backward()
             losses.append(float(loss.detach()))
     finally:
-        handoff_stage.length_groups = saved
+        module.grouped = saved
     return (time.perf_counter() - start) / len(batches), losses
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

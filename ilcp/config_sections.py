@@ -416,6 +416,10 @@ class TrainerConfig:
     recompute_layers: bool = _f(False, "stages through the LM keep each layer's input alone and recompute its "
                                        "activations in the backward pass: far less memory, about a third more "
                                        "compute a step (ilcp.training.recompute)")
+    length_groups: bool = _f(True, "a training batch's rows run as one forward per group of similar lengths "
+                                   "(ilcp.encoder.pooling.length_groups: less padding, far faster on batches of mixed "
+                                   "lengths); false: one padded forward per batch, the memory pretraining's route "
+                                   "(it pretrains better that way: docs/results/length-groups-training)")
 
     def __post_init__(self):
         if self.num_nodes < 1:

@@ -23,10 +23,6 @@ def test_the_benchmark_times_both_routes_and_their_losses_agree(capsys, tmp_path
     assert re.search(r"computes (\S+) context positions per real one", out)
 
 
-def test_the_one_group_route_keeps_every_row_together():
-    assert bench.one_group([5, 500, 7]) == [[0, 1, 2]] and bench.one_group([]) == []
-
-
 def test_bad_arguments_are_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--batches", "0"])

@@ -378,3 +378,26 @@ def test_the_general_recipe_runs_end_to_end_on_the_tiny_lm(tmp_path, tiny_lm):
                        log=lambda _: None, max_new_tokens=2, batch_size=4)
     held = {t for t, v in results["tasks"].items() if not v["seen_in_training"]}
     assert held == {"babi:2", "babi:11", "babi:16"} and "squad" in results["tasks"]
+
+
+def test_a_sender_bound_without_length_groups_runs_the_batch_as_one_padded_forward(tiny_lm):
+    """``trainer.length_groups: false`` binds the sender with ``grouped=False``: contexts of very
+    different lengths run as one context forward and one slot forward, with the same states."""
+    slots = _slots(tiny_lm)
+    encoder = SlotEncoder(BetaVAE(slots.output_dim, 8, 32), None, slots)
+    huge = " ".join(["Sandra journeyed to the office and then to the garden."] * 30)
+    texts = [huge, SHORT, LONG, "Bill is here."]
+    forwards, found = [], {}
+    hook = tiny_lm.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        for grouped in (True, False):
+            encoder.bind_sender(tiny_lm.model, tiny_lm.tokenizer, 512, (-1,), grouped=grouped)
+            forwards.clear()
+            with torch.no_grad():
+                found[grouped] = encoder.sender_states(texts)
+            assert (len(forwards) > 2) if grouped else (len(forwards) == 2)  # a context and a slot forward per group
+    finally:
+        hook.remove()
+    (states, mask), (one, one_mask) = found[True], found[False]
+    assert torch.equal(mask, one_mask)
+    torch.testing.assert_close(states * mask.unsqueeze(-1), one * one_mask.unsqueeze(-1), atol=1e-5, rtol=1e-4)

@@ -255,3 +255,11 @@ def test_length_groups_split_a_mixed_batch_at_the_least_padded_cost():
     assert pooling.length_groups([100] * 8) == [list(range(8))]
     assert pooling.length_groups(lengths, overhead=10**6) == [sorted(range(8), key=lambda i: lengths[i])]
     assert pooling.length_groups([]) == []
+
+
+def test_forward_groups_keep_a_batch_whole_when_length_groups_are_off():
+    lengths = [40, 900, 45, 880]
+    assert pooling.forward_groups(lengths) == pooling.length_groups(lengths)
+    assert len(pooling.forward_groups(lengths)) > 1
+    assert pooling.forward_groups(lengths, grouped=False) == [[0, 1, 2, 3]]
+    assert pooling.forward_groups([], grouped=False) == [] and pooling.forward_groups([]) == []

@@ -289,3 +289,23 @@ def test_text_windows_need_memory_slots(tmp_path):
 def test_a_negative_reconstruct_beta_is_refused(tmp_path):
     with pytest.raises(ValueError, match="token_shape_weight and beta must be >= 0, got 0.0, 1.0 and -0.1"):
         _tiny(tmp_path, extra=["reconstruct.beta=-0.1"])
+
+
+def test_the_recipe_runs_each_batch_as_one_padded_forward(pretrained, tiny_lm, tmp_path):
+    """configs/pretrain.yaml sets ``trainer.length_groups: false``: its reconstruction loss and the
+    sender its encoder is bound to run a batch of very different lengths as one forward each."""
+    from ilcp.training.init_from import pretrained_encoder
+    from ilcp.training.reconstruction_stage import ReconstructionModule
+
+    cfg = _tiny(tmp_path, extra=[f"compressor.init_from={pretrained.run_dir}"])
+    assert cfg.trainer.length_groups is False
+    encoder = pretrained_encoder(cfg, tiny_lm, 512)
+    assert ReconstructionModule(encoder, tiny_lm, cfg).grouped is False
+    forwards = []
+    hook = tiny_lm.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        with torch.no_grad():
+            encoder.sender_states([" ".join([TEXT] * 12), "Bill is here."])
+    finally:
+        hook.remove()
+    assert len(forwards) == 2  # one context forward, one slot forward

@@ -232,7 +232,35 @@ def test_rows_of_very_different_lengths_run_apart_with_the_loss_and_gradients_of
     assert answers == [module.answer({k: [v[i]] for k, v in batch.items()})[0] for i in range(4)]
 
 
-def test_a_row_shorter_than_the_longest_answer_runs_apart_with_the_same_loss(tiny_lm, monkeypatch):
+def test_length_groups_off_runs_a_mixed_batch_as_one_padded_forward(tiny_lm):
+    """``trainer.length_groups: false`` (``grouped=False``): the answer loss and the validation pass
+    run a batch of very different lengths as one forward through the LM, with the same loss."""
+    from ilcp.config_sections import HandoffConfig
+
+    source = make_memory_source("cold_read_tuned", HandoffConfig(num_memory_tokens=2), tiny_lm)
+    long_story = " ".join(["Daniel went back to the office and picked up the apple there."] * 25)
+    batch = {"context": ["John went home.", long_story], "question": ["Where is John?", "Where is Daniel?"],
+             "answer": ["home", "office"]}
+    forwards = []
+    hook = tiny_lm.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        losses = {}
+        for grouped in (True, False):
+            module = HandoffModule(source, tiny_lm, HandoffConfig(num_memory_tokens=2, max_new_tokens=1),
+                                   grouped=grouped)
+            forwards.clear()
+            with torch.no_grad():
+                losses[grouped] = module._teacher_forced(batch)[0]
+            assert len(forwards) == (2 if grouped else 1)
+            forwards.clear()
+            module._loss_and_answers(batch)
+            assert len(forwards) == (2 if grouped else 1)  # one prefill a forward group gives the one new token
+    finally:
+        hook.remove()
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_shorter_than_the_longest_answer_runs_apart_with_the_same_loss(tiny_lm):
     """A short row in its own forward, narrower than the positions the loss reads (another row's
     answer is longer than it): its logits are padded where it has no labels; the loss and logits
     equal one padded forward's."""
@@ -246,10 +274,10 @@ def test_a_row_shorter_than_the_longest_answer_runs_apart_with_the_same_loss(tin
     ids = [torch.randint(0, 200, (3,), generator=gen), torch.randint(0, 200, (110,), generator=gen)]
     sequences = [embed(i).detach() for i in ids]
     labels = [torch.tensor([-100, -100] + ids[0][2:].tolist()), torch.tensor([-100] * 10 + ids[1][10:].tolist())]
-    assert len(handoff_stage.length_groups([3, 110])) == 2
+    assert len(handoff_stage.forward_groups([3, 110])) == 2
     with torch.no_grad():
         loss, logits, targets = module._loss_on_tail(sequences, labels)
-        monkeypatch.setattr(handoff_stage, "length_groups", lambda lengths: [list(range(len(lengths)))])
+        module.grouped = False  # trainer.length_groups: false
         one_loss, one_logits, one_targets = module._loss_on_tail(sequences, labels)
     assert torch.equal(targets, one_targets)
     torch.testing.assert_close(loss, one_loss, rtol=1e-5, atol=1e-5)

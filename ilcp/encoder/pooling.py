@@ -10,7 +10,7 @@ softmax-weighted mean of the token states; it starts out equal to the masked mea
 
 `sender_token_states` is the one forward both training extraction and `ILCPHandoff` run;
 `tokenize_contexts`, `pad_right` and `length_batches` prepare its inputs; `length_groups` splits
-one training batch into forwards of similar lengths. Nothing here imports Lightning, so the
+one training batch into forwards of similar lengths (`forward_groups`: or keeps it one). Nothing here imports Lightning, so the
 runtime handoff does not load it: the batched extraction through a Lightning predict loop and
 its on-disk cache are `ilcp.training.extraction`.
 """
@@ -371,6 +371,14 @@ def length_groups(lengths: Sequence[int], overhead: int = FORWARD_OVERHEAD_POSIT
         groups.append(order[start[j]:j])
         j = start[j]
     return groups[::-1]
+
+
+def forward_groups(lengths: Sequence[int], grouped: bool = True) -> list[list[int]]:
+    """The forwards a training batch of rows of these ``lengths`` runs as: its `length_groups`, or
+    with ``grouped`` False (``trainer.length_groups: false``) every row in one padded forward."""
+    if grouped:
+        return length_groups(lengths)
+    return [list(range(len(lengths)))] if len(lengths) else []
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:

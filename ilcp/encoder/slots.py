@@ -45,7 +45,7 @@ from .compressor import BetaVAE, kl_divergence
 from .model import ILCPEncoder
 from .kinds import MAX_COUNT, MemoryKind, config_value
 from ..names import MEMORY_KINDS
-from .pooling import layer_states, length_groups, pad_id_of, pad_right, tokenize_contexts
+from .pooling import forward_groups, layer_states, pad_id_of, pad_right, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
 
 __all__ = ["SlotEncoder", "SlotMemory", "SlotTokens", "slot_counts", "slot_states"]
@@ -212,7 +212,7 @@ class SlotEncoder(ILCPEncoder):
         if not isinstance(slots, SlotTokens):
             raise ValueError(f"a slot encoder needs SlotTokens, got {type(slots).__name__}")
         super().__init__(vae, projector, slots, 0, **receiver)
-        self._sender: tuple | None = None  # (model, tokenizer, max_length, layers), outside the state dict
+        self._sender: tuple | None = None  # (model, tokenizer, max_length, layers, grouped), outside the state dict
 
     @property
     def slots(self) -> SlotTokens:
@@ -240,20 +240,23 @@ class SlotEncoder(ILCPEncoder):
         """The slot mask `slot_states` gave (B, N), as bool."""
         return attention_mask.bool()
 
-    def bind_sender(self, model: nn.Module, tokenizer, max_length: int, layers: Sequence[int]) -> None:
-        """The sender LM training runs the slot forward with (held by reference, never exported)."""
-        self._sender = (model, tokenizer, int(max_length), tuple(layers))
+    def bind_sender(self, model: nn.Module, tokenizer, max_length: int, layers: Sequence[int],
+                    grouped: bool = True) -> None:
+        """The sender LM training runs the slot forward with (held by reference, never exported);
+        ``grouped`` (``trainer.length_groups``): a batch's contexts run as one forward per group
+        of similar lengths, else as one padded forward."""
+        self._sender = (model, tokenizer, int(max_length), tuple(layers), bool(grouped))
 
     def sender_states(self, contexts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """The slot states of context strings through the bound sender, as `ILCPHandoff` sends them
         (no special tokens, the last max_length tokens)."""
         if self._sender is None:
             raise ValueError("this slot encoder has no sender LM: bind_sender(model, tokenizer, max_length, layers)")
-        model, tokenizer, max_length, layers = self._sender
+        model, tokenizer, max_length, layers, grouped = self._sender
         tokens = tokenize_contexts(tokenizer, contexts, max_length)
         device = model.get_input_embeddings().weight.device
         parts, masks, rows = [], [], []
-        for group in length_groups([len(t) for t in tokens]):  # similar lengths share a forward: less padding
+        for group in forward_groups([len(t) for t in tokens], grouped):  # similar lengths share a forward
             ids, mask = pad_right([tokens[i] for i in group], pad_id_of(tokenizer))
             states, slot_mask = slot_states(model, self.slots, mask.to(device), layers, input_ids=ids.to(device))
             parts.append(states)

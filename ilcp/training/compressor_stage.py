@@ -267,7 +267,8 @@ def start_slot_encoder(cfg: TrainConfig, lm: LM, train: HandoffRows) -> SlotEnco
     slots = kind.pooler(lm.hidden_size * len(cfg.data.pool_layers), hidden_size=lm.hidden_size)
     slots.init_from_embeddings(lm.model.get_input_embeddings().weight, seed=cfg.trainer.seed)
     encoder = kind.encoder(BetaVAE(slots.output_dim, c.latent_dim, c.hidden_dim, c.beta), None, slots)
-    encoder.bind_sender(lm.model, lm.tokenizer, sender_max_length(cfg, lm), cfg.data.pool_layers)
+    encoder.bind_sender(lm.model, lm.tokenizer, sender_max_length(cfg, lm), cfg.data.pool_layers,
+                        grouped=cfg.trainer.length_groups)
     contexts = [r["context"] for r in train.rows[:SLOT_STATISTICS_ROWS]]
     states = []
     with torch.no_grad():

@@ -36,7 +36,7 @@ from ..config import TrainConfig
 from ..config_sections import HandoffConfig
 from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
-from ..encoder.pooling import length_groups
+from ..encoder.pooling import forward_groups
 from ..lm import LM, mean_token_embedding_norm
 from ..metrics import exact_match
 from ..receiver.prefix import ReceiverPrefix, receiver_prefix
@@ -162,13 +162,15 @@ class HandoffModule(L.LightningModule):
             the text; None: the plain cold read.
         recompute_layers: the training forward recomputes the LM's layers in the backward pass
             (``trainer.recompute_layers``, `ilcp.training.recompute`).
+        grouped: a batch's rows run as one forward per group of similar lengths
+            (``trainer.length_groups``); False: one padded forward per batch.
     """
 
     def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64,
                  selected: dict[tuple[str, str], list[int]] | None = None, teacher: ConstantMemory | None = None,
-                 recompute_layers: bool = False):
+                 recompute_layers: bool = False, grouped: bool = True):
         super().__init__()
-        self.recompute_layers = recompute_layers
+        self.recompute_layers, self.grouped = recompute_layers, grouped
         self._teacher = (teacher,)  # outside the module tree: neither trained nor checkpointed here
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
         self.selected = selected
@@ -274,7 +276,7 @@ class HandoffModule(L.LightningModule):
             tail = lab[-(n_keep - 1):]
             targets[i, n_keep - 1 - len(tail):] = tail
         parts, rows = [], []
-        for group in length_groups([len(seq) for seq in sequences]):
+        for group in forward_groups([len(seq) for seq in sequences], self.grouped):
             inputs_embeds, attention_mask, position_ids = left_pad([sequences[i] for i in group])
             with recomputing(self.lm, self.recompute_layers and torch.is_grad_enabled()):
                 out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
@@ -330,7 +332,7 @@ class HandoffModule(L.LightningModule):
             targets.append(self.tokenizer(prompts.answer_text(answer, self.tokenizer),
                                           add_special_tokens=False)["input_ids"])
         total, answers = 0.0, [""] * len(prefixes)
-        for group in length_groups([len(p) for p in prefixes]):
+        for group in forward_groups([len(p) for p in prefixes], self.grouped):
             loss, said = answer_loss_and_greedy(self.lm, self.tokenizer, [prefixes[i] for i in group],
                                                 [targets[i] for i in group], max_new_tokens=self.cfg.max_new_tokens)
             total = total + loss * sum(len(targets[i]) for i in group)
@@ -383,7 +385,8 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     selected = selected_prompts(cfg.handoff, lm, data) if kind.reads_selected_rows else None
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
-                           teacher=teacher, recompute_layers=cfg.trainer.recompute_layers)
+                           teacher=teacher, recompute_layers=cfg.trainer.recompute_layers,
+                           grouped=cfg.trainer.length_groups)
     tr, fr = parameter_counts(module)
     h = cfg.handoff
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"

@@ -72,7 +72,7 @@ def pretrained_encoder(cfg: TrainConfig, lm: LM, max_length: int) -> ILCPEncoder
                           "or drop compressor.init_from")
     encoder = run.encoder
     if isinstance(encoder, SlotEncoder):
-        encoder.bind_sender(lm.model, lm.tokenizer, max_length, cfg.data.pool_layers)
+        encoder.bind_sender(lm.model, lm.tokenizer, max_length, cfg.data.pool_layers, grouped=cfg.trainer.length_groups)
     say(f"stage 1 (compressor): the encoder starts from {path} ({sum(p.numel() for p in encoder.parameters()):,} "
         "parameters, projector included)")
     return encoder

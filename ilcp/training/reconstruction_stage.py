@@ -168,7 +168,8 @@ class ReconstructionModule(HandoffModule):
     """
 
     def __init__(self, encoder: ILCPEncoder, lm: LM, cfg: TrainConfig):
-        super().__init__(encoder, lm, cfg.handoff, val_decode_size=0, recompute_layers=cfg.trainer.recompute_layers)
+        super().__init__(encoder, lm, cfg.handoff, val_decode_size=0, recompute_layers=cfg.trainer.recompute_layers,
+                         grouped=cfg.trainer.length_groups)
         self.reconstruct_cfg = cfg.reconstruct
         self.max_target_tokens = cfg.reconstruct.max_target_tokens
         self.max_context_tokens = sender_max_length(cfg, lm)
