@@ -10,9 +10,9 @@ softmax-weighted mean of the token states; it starts out equal to the masked mea
 
 `sender_token_states` is the one forward both training extraction and `ILCPHandoff` run;
 `tokenize_contexts`, `pad_right` and `length_batches` prepare its inputs; `length_groups` splits
-one training batch into forwards of similar lengths (`forward_groups`: or keeps it one). Nothing here imports Lightning, so the
-runtime handoff does not load it: the batched extraction through a Lightning predict loop and
-its on-disk cache are `ilcp.training.extraction`.
+one training batch into forwards of similar lengths (`forward_groups`: or keeps it whole).
+Nothing here imports Lightning, so the runtime handoff does not load it: the batched extraction
+through a Lightning predict loop and its on-disk cache are `ilcp.training.extraction`.
 """
 
 from __future__ import annotations
