@@ -1,8 +1,9 @@
 """One trained encoder's reconstruction validation loss through both routes of a batch: one padded
 forward, or length groups (`ilcp.encoder.pooling.length_groups`), in float32 and in bfloat16.
 
-Training runs each batch in length groups (the sender's slot forward and the receiver's loss); a
-row's logits then come from a forward beside other rows than in one padded forward. This reads a
+Training runs each batch in length groups (the sender's slot forward and the receiver's loss)
+unless ``trainer.length_groups`` is false; a row's logits then come from a forward beside other
+rows than in one padded forward. This reads a
 fixed export (a pretraining run's folder) on the pretraining recipe's validation texts both ways,
 with the LM in float32 throughout (``32-true``) and held in bfloat16 as a bf16-mixed run holds it
 (`ilcp.precision.hold`: a long unpadded prefill then takes `ilcp.attention`'s blocked attention),
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ilcp.config import TrainConfig, load_config
+from ilcp.encoder.slots import SlotEncoder
 from ilcp.encoder.spec import ExportError
 from ilcp.io import atomic_write_json
 from ilcp.precision import autocast
@@ -54,8 +56,9 @@ def set_route(module: ReconstructionModule, cfg: TrainConfig, grouped: bool) -> 
     """Both parts of a training batch's forward through one route, as ``trainer.length_groups`` sets them:
     the receiver's loss (the module) and the slot sender (bound again)."""
     module.grouped = grouped
-    lm = module.lm
-    module.source.bind_sender(lm, module.tokenizer, module.max_context_tokens, cfg.data.pool_layers, grouped=grouped)
+    if isinstance(module.source, SlotEncoder):  # other encoders read cached states: no sender forward
+        module.source.bind_sender(module.lm, module.tokenizer, module.max_context_tokens, cfg.data.pool_layers,
+                                  grouped=grouped)
 
 
 def replace_precision(cfg: TrainConfig, precision: str) -> TrainConfig:
