@@ -51,6 +51,7 @@ def time_route(module: HandoffModule, batches: list[dict], grouped: bool, grad: 
         module.grouped = saved
     return (time.perf_counter() - start) / len(batches), losses
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "general.yaml"), help="the run whose rows are read")

@@ -10,12 +10,9 @@ import pytest
 from _benchmarks import REPO, load_benchmark
 from ilcp.config import load_config
 from ilcp.training import train
+from test_pretraining import TINY  # the pretraining recipe at the tiny LM's size
 
 bench = load_benchmark("route_agreement")
-TINY = ["lm.spec=tiny-qwen3", "data.train_size=26", "data.val_size=13", "compressor.hidden_dim=32",
-        "compressor.latent_dim=8", "compressor.slot_adapter_rank=2", "reconstruct.steps=2",
-        "reconstruct.val_every_steps=2", "reconstruct.texts_per_source=8", "reconstruct.max_target_tokens=16",
-        "handoff.projector_hidden=32", "trainer.precision=32-true", "trainer.progress=false"]
 
 
 def test_both_routes_score_the_same_encoder_alike(tmp_path, tiny_lm, capsys):
