@@ -127,3 +127,45 @@ def test_eval_holds_the_lm_it_loads(held_run, tmp_path):
                    facts_counts=[], out=tmp_path / "eval", log=lines.append)
     assert res["settings"]["precision"] == "bf16-mixed"
     assert "compute precision bf16-mixed, the LM's linear weights held in bfloat16" in lines
+
+
+def _file_resident_mb() -> float | None:
+    """This process's resident pages backed by files (Linux), in MB; None elsewhere."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def test_a_held_lm_keeps_nothing_of_its_mapped_weights_file(tmp_path):
+    # A model a few tens of MB large, saved as safetensors and loaded the way a local directory is:
+    # the loader maps the file, so until hold copies the float32 tensors it keeps (the embedding
+    # table, the norms) the whole file stays resident.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ilcp.lm import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    file_mb = sum(f.stat().st_size for f in (tmp_path / "lm").glob("*.safetensors")) / 2**20
+    lm = load_lm(str(tmp_path / "lm"))
+    lm.fingerprint  # reads every weight, so every page of the file is resident
+    loaded = {t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())}
+    before = _file_resident_mb()
+    assert hold(lm, "bf16-mixed") > 0
+    left = [name for name, t in (*lm.model.named_parameters(), *lm.model.named_buffers())
+            if t.data_ptr() in loaded]
+    assert left == []  # no tensor of the loaded model survives: each was cast or copied
+    if before is not None:
+        import gc
+
+        gc.collect()
+        assert before - _file_resident_mb() > 0.8 * file_mb  # the file's pages left the process
