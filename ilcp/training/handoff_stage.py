@@ -282,10 +282,14 @@ class HandoffModule(L.LightningModule):
                 out = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False, **logits_to_keep_kwargs(self.lm, n_keep))
             tail = out.logits[:, -n_keep:-1].float()
+            del out
             # a group narrower than n_keep: its missing leading positions carry no label
-            parts.append(F.pad(tail, (0, 0, n_keep - 1 - tail.shape[1], 0)))
+            parts.append(tail if tail.shape[1] == n_keep - 1 else F.pad(tail, (0, 0, n_keep - 1 - tail.shape[1], 0)))
             rows.extend(group)
-        logits = torch.cat(parts)[torch.tensor(rows, device=device).argsort()]  # back in the batch's order
+        if len(parts) == 1 and rows == sorted(rows):  # one forward in the batch's order: no copy (0.1 GB for 8 rows)
+            logits = parts[0]
+        else:
+            logits = torch.cat(parts)[torch.tensor(rows, device=device).argsort()]  # back in the batch's order
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         return loss, logits, targets
 
