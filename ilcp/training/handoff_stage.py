@@ -286,10 +286,9 @@ class HandoffModule(L.LightningModule):
             # a group narrower than n_keep: its missing leading positions carry no label
             parts.append(tail if tail.shape[1] == n_keep - 1 else F.pad(tail, (0, 0, n_keep - 1 - tail.shape[1], 0)))
             rows.extend(group)
-        if len(parts) == 1 and rows == sorted(rows):  # one forward in the batch's order: no copy (0.1 GB for 8 rows)
-            logits = parts[0]
-        else:
-            logits = torch.cat(parts)[torch.tensor(rows, device=device).argsort()]  # back in the batch's order
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # no copy of one forward's logits (0.1 GB for 8 rows)
+        if rows != sorted(rows):
+            logits = logits[torch.tensor(rows, device=device).argsort()]  # back in the batch's order
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         return loss, logits, targets
 

@@ -4,6 +4,7 @@ which stops a stage whose loss turns NaN or infinite (`NonFiniteLoss`), its logs
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import pickle
 import shutil
@@ -73,18 +74,24 @@ class ProgressLines(L.Callback):
             self._val = None
 
 
-def give_back_freed_memory() -> None:
-    """Hand the memory the process has freed back to the system (glibc's ``malloc_trim``; nothing
-    where the C library has none). glibc keeps freed tensors' pages, so without it a stage starts on
-    top of the peak of the one before (the slot statistics' long padded forwards, a validation pass)."""
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
-        trim = None
+        return None
+
+
+def give_back_freed_memory() -> None:
+    """Hand the memory the process has freed back to the system (glibc's ``malloc_trim``; nothing
+    where the C library has none). glibc keeps freed tensors' pages, so without it a stage starts on
+    top of the peak of the one before (the slot statistics' long padded forwards, a validation pass)."""
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
 
