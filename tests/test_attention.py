@@ -1,5 +1,6 @@
 """Blocked causal attention (`ilcp.attention`): the same attention as SDPA, taken only for long
-causal prefills without gradients in bfloat16 on CPU, and used by an LM held in bfloat16."""
+causal prefills without gradients in bfloat16 on CPU, and used by an LM held in bfloat16; masked
+calls over grouped key/value heads go to SDPA without repeating the heads."""
 
 import copy
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from ilcp import attention
 from ilcp.attention import (ATTENTION_NAME, MIN_QUERIES, attention_forward, blocked_causal_attention,
-                            takes_blocked_path)
+                            takes_blocked_path, takes_grouped_path)
 from ilcp.lm import LM, TINY_LM, load_lm
 from ilcp.precision import hold
 
@@ -154,3 +155,53 @@ def test_attention_forward_hands_other_calls_to_sdpa():
     out, weights = attention_forward(module, q, k, v, None, scaling=0.5)
     assert weights is None
     torch.testing.assert_close(out, sdpa(q, k, v, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_only_masked_cpu_calls_of_several_queries_over_grouped_heads_take_the_grouped_path():
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    m = Module()
+    assert takes_grouped_path(m, q, k, mask)
+    assert not takes_grouped_path(m, q, k, None)  # unmasked: transformers' SDPA keeps the heads as they are
+    assert not takes_grouped_path(m, q[:, :, -1:], k, mask[:, :, -1:])  # one query: transformers packs it
+    assert not takes_grouped_path(m, q, torch.randn(2, 4, 9, 8), mask)  # as many key/value heads as query heads
+    assert not takes_grouped_path(m, q, k, mask, position_bias=torch.zeros(1))
+    assert not takes_grouped_path(m, q, k, mask, output_attentions=True)
+
+
+def saved_bytes(run) -> int:
+    """The bytes of the distinct storages autograd keeps for the backward pass of ``run()``."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(seen.values())
+
+
+def test_a_masked_training_forward_keeps_no_repeated_keys_and_values(held_and_plain):
+    # Slots reading a cached context (memory slots' sender) and left-padded rows both carry a mask.
+    lm, plain = held_and_plain
+    torch.manual_seed(0)
+    ids = torch.randint(10, 500, (4, 200))
+    mask = torch.ones_like(ids)
+    mask[0, :50] = 0  # left padding
+    embeds = lm.model.get_input_embeddings()(ids).detach()
+
+    def forward(model):
+        x = embeds.clone().requires_grad_(True)
+        return x, model(inputs_embeds=x, attention_mask=mask).logits.float()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (x_held, held), held_saved = saved_bytes(lambda: forward(lm.model))
+        (x_plain, reference), plain_saved = saved_bytes(lambda: forward(plain.model))
+    assert torch.equal(held, reference)  # the same kernel: equal outputs
+    config = lm.model.config
+    repeated = (config.num_attention_heads - config.num_key_value_heads) * config.head_dim * ids.numel() * 2 * 2
+    assert plain_saved - held_saved >= config.num_hidden_layers * repeated * 0.9  # bf16 keys and values, per layer
+    held.pow(2).mean().backward()
+    reference.pow(2).mean().backward()
+    torch.testing.assert_close(x_held.grad, x_plain.grad, rtol=0.05, atol=1e-4)  # summed in another order
