@@ -4,7 +4,6 @@ which stops a stage whose loss turns NaN or infinite (`NonFiniteLoss`), its logs
 from __future__ import annotations
 
 import csv
-import functools
 import logging
 import pickle
 import shutil
@@ -17,6 +16,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
+from .. import host_memory
 from ..io import file_kind
 from ..precision import resolve
 from ..progress import Ticker, bars, lines
@@ -74,37 +74,15 @@ class ProgressLines(L.Callback):
             self._val = None
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-def give_back_freed_memory() -> None:
-    """Hand the memory the process has freed back to the system (glibc's ``malloc_trim``; nothing
-    where the C library has none). glibc keeps freed tensors' pages, so without it a stage starts on
-    top of the peak of the one before (the slot statistics' long padded forwards, a validation pass)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 class GiveBackFreedMemory(L.Callback):
-    """`give_back_freed_memory` as a stage starts and after each validation pass: a few calls a
-    stage (a call after every step costs a fifth of a pretraining step's time on this CPU)."""
+    """`ilcp.host_memory.give_back_freed_memory` as a stage starts and after each validation pass:
+    a few calls a stage (a call after every step costs a fifth of a pretraining step's time on this CPU)."""
 
     def on_fit_start(self, trainer, pl_module):
-        give_back_freed_memory()
+        host_memory.give_back_freed_memory()
 
     def on_validation_end(self, trainer, pl_module):
-        give_back_freed_memory()
+        host_memory.give_back_freed_memory()
 
 
 class NonFiniteLoss(ValueError):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import export, export_writing
+from .. import export, export_writing, host_memory
 from ..config import TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
@@ -67,7 +67,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, lm
 
     With several devices (``trainer.devices``, ``trainer.num_nodes``) this runs in every rank:
     the command that was run is rank 0 and starts the others, which run the same command (see
-    `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files."""
+    `ilcp.training.distributed`); rank 0 alone prepares the run directory and writes files.
+
+    oneDNN's kernel caches are capped first (`ilcp.host_memory.bound_kernel_caches`: effective
+    where no kernel has run in this process yet), so that batches of new lengths do not grow
+    the process step after step."""
+    host_memory.bound_kernel_caches()
     cfg.validate()
     if discard_last and not resume:
         raise ValueError("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
