@@ -198,6 +198,17 @@ def slot_states(model: nn.Module, slots: SlotTokens, attention_mask: Tensor, lay
     return layer_states(out, layers), slot_mask
 
 
+@dataclass(frozen=True)
+class BoundSender:
+    """The sender LM a training `SlotEncoder` runs its slot forward with (`SlotEncoder.bind_sender`)."""
+
+    model: nn.Module
+    tokenizer: object
+    max_length: int
+    layers: tuple[int, ...]
+    grouped: bool
+
+
 class SlotEncoder(ILCPEncoder):
     """An `ILCPEncoder` whose summary is its slots' states: one latent per slot, (B, N, Z).
 
@@ -212,7 +223,7 @@ class SlotEncoder(ILCPEncoder):
         if not isinstance(slots, SlotTokens):
             raise ValueError(f"a slot encoder needs SlotTokens, got {type(slots).__name__}")
         super().__init__(vae, projector, slots, 0, **receiver)
-        self._sender: tuple | None = None  # (model, tokenizer, max_length, layers, grouped), outside the state dict
+        self._sender: BoundSender | None = None  # outside the state dict
 
     @property
     def slots(self) -> SlotTokens:
@@ -245,20 +256,21 @@ class SlotEncoder(ILCPEncoder):
         """The sender LM training runs the slot forward with (held by reference, never exported);
         ``grouped`` (``trainer.length_groups``): a batch's contexts run as one forward per group
         of similar lengths, else as one padded forward."""
-        self._sender = (model, tokenizer, int(max_length), tuple(layers), bool(grouped))
+        self._sender = BoundSender(model, tokenizer, int(max_length), tuple(layers), bool(grouped))
 
     def sender_states(self, contexts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """The slot states of context strings through the bound sender, as `ILCPHandoff` sends them
         (no special tokens, the last max_length tokens)."""
         if self._sender is None:
             raise ValueError("this slot encoder has no sender LM: bind_sender(model, tokenizer, max_length, layers)")
-        model, tokenizer, max_length, layers, grouped = self._sender
-        tokens = tokenize_contexts(tokenizer, contexts, max_length)
-        device = model.get_input_embeddings().weight.device
+        sender = self._sender
+        tokens = tokenize_contexts(sender.tokenizer, contexts, sender.max_length)
+        device = sender.model.get_input_embeddings().weight.device
         parts, masks, rows = [], [], []
-        for group in forward_groups([len(t) for t in tokens], grouped):  # similar lengths share a forward
-            ids, mask = pad_right([tokens[i] for i in group], pad_id_of(tokenizer))
-            states, slot_mask = slot_states(model, self.slots, mask.to(device), layers, input_ids=ids.to(device))
+        for group in forward_groups([len(t) for t in tokens], sender.grouped):  # similar lengths share a forward
+            ids, mask = pad_right([tokens[i] for i in group], pad_id_of(sender.tokenizer))
+            states, slot_mask = slot_states(sender.model, self.slots, mask.to(device), sender.layers,
+                                            input_ids=ids.to(device))
             parts.append(states)
             masks.append(slot_mask)
             rows.extend(group)
