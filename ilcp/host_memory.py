@@ -7,8 +7,8 @@ Two things make a training process on CPU grow with its steps instead of with wh
   hold 1,024 entries by default. A batch of new sequence lengths builds new kernels, so over a run
   of varied batches both caches fill. `bound_kernel_caches` caps both at `KERNEL_CACHE_CAPACITY`
   entries, enough for the kernels one step reuses. Both caches read their capacity once, when the
-  process builds its first kernel: the command lines call it before they load an LM, and a call
-  after that changes nothing.
+  process builds its first kernel: `ilcp.training.train` calls it before it loads an LM, and in a
+  process that has already run a kernel the call changes nothing.
 - glibc keeps the pages of freed tensors for later allocations, so a stage would start on top of
   the peak of the one before (a validation pass, the slot statistics' long padded forwards):
   `give_back_freed_memory` hands them back (the trainers call it as a stage starts and after each
