@@ -1,0 +1,84 @@
+"""Chunk memory: one shared function writes one memory vector for each chunk of c tokens.
+
+The context's tokens are cut into chunks of ``chunk_tokens`` (c) consecutive tokens; each chunk
+is written into one vector of the receiver's input width by the same `ChunkWriter`, which reads
+only that chunk's tokens. A vector therefore depends on its chunk alone: the same whether the
+context is sent alone, after other text, or in a batch (tested), and a context of S tokens gives
+S / c training examples of one function instead of one example of S / c functions. The receiver
+reads the chunk vectors in the chunks' order, where it would read the text.
+
+`ChunkWriter` reads the chunk's input embeddings (the frozen LM's own table, so the token ids are
+all it needs): each token is projected to ``width`` floats and marked with its place in the chunk,
+the c rows are read side by side by a two-layer MLP, and its output is added to the embedding of
+the chunk's first token. The MLP's last layer starts at zero, so an untrained writer hands over
+each chunk's first token, which the receiver reads as that token; training moves the vector from
+there (a readable start learns faster than a random one). A last chunk shorter than c is padded
+with the tokenizer's pad token and its real length is read too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ChunkWriter", "chunk_ids"]
+
+
+def chunk_ids(ids: list[int], chunk_tokens: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """The token ids of one context cut into chunks of `chunk_tokens`: ``(chunks (N, c) long,
+    lengths (N,) long)``; the last chunk is padded with `pad_id` to c tokens. An empty context
+    gives no chunk."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n = -(-len(ids) // chunk_tokens)
+    chunks = torch.full((n, chunk_tokens), pad_id, dtype=torch.long)
+    lengths = torch.zeros(n, dtype=torch.long)
+    for i in range(n):
+        part = ids[i * chunk_tokens:(i + 1) * chunk_tokens]
+        chunks[i, :len(part)] = torch.tensor(part, dtype=torch.long)
+        lengths[i] = len(part)
+    return chunks, lengths
+
+
+class ChunkWriter(nn.Module):
+    """Chunks of c token embeddings -> one memory vector each (the receiver's input width).
+
+    Args:
+        hidden_size: the LM's embedding width (the vector's width too).
+        chunk_tokens: c, tokens per chunk.
+        width: floats each token is projected to before the MLP reads the chunk.
+        inner: the MLP's hidden width.
+    """
+
+    def __init__(self, hidden_size: int, chunk_tokens: int, *, width: int = 256, inner: int = 1024):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("chunk_tokens", chunk_tokens), ("width", width),
+                            ("inner", inner)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ChunkWriter: {name} must be a positive integer, got {value!r}")
+        self.hidden_size, self.chunk_tokens, self.width, self.inner = hidden_size, chunk_tokens, width, inner
+        self.token_in = nn.Linear(hidden_size, width)
+        self.place = nn.Parameter(torch.randn(chunk_tokens + 1, width) * 0.02)  # c places, then "past the end"
+        self.norm = nn.LayerNorm(chunk_tokens * width)
+        self.mlp = nn.Sequential(nn.Linear(chunk_tokens * width, inner), nn.GELU(), nn.Linear(inner, inner), nn.GELU(),
+                                 nn.Linear(inner, hidden_size))
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def settings(self) -> dict:
+        return {"hidden_size": self.hidden_size, "chunk_tokens": self.chunk_tokens, "width": self.width,
+                "inner": self.inner}
+
+    def forward(self, embeds: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """``embeds`` (N, c, H): the chunks' token embeddings; ``lengths`` (N,): each chunk's real
+        tokens (default c; padding rows are read as "past the end") -> (N, H)."""
+        if embeds.dim() != 3 or embeds.shape[1:] != (self.chunk_tokens, self.hidden_size):
+            raise ValueError(f"ChunkWriter expects chunks of shape (N, {self.chunk_tokens}, {self.hidden_size}), "
+                             f"got {tuple(embeds.shape)}")
+        n, c, _ = embeds.shape
+        dtype = self.token_in.weight.dtype
+        x = self.token_in(embeds.to(dtype)) + self.place[:c]
+        if lengths is not None:  # rows past a chunk's end read as "past the end" alone
+            real = torch.arange(c, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]
+            x = torch.where(real[..., None], x, self.place[c])
+        return embeds[:, 0].to(dtype) + self.mlp(self.norm(x.reshape(n, c * self.width)))

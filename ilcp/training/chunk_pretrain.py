@@ -1,0 +1,401 @@
+"""Pretraining a `ChunkWriter` on text alone: one vector -> its chunk's c tokens, the receiver frozen.
+
+The receiver reads the reconstruction instruction, then one chunk's memory vector, then says the
+chunk back, teacher-forced. The instruction is the same for every chunk, so its key/value cache is
+computed once and every step pays only for the chunks' own positions (1 + c - 1 = c each, all
+chunks of a batch in one forward). The loss is the cross-entropy over the chunk's tokens; only the
+writer learns.
+
+Corpus (`chunk_corpus`): SQuAD training paragraphs, the background books' training passages and
+the bAbI stories of the trained tasks (held-out tasks left out). Each epoch cuts every text into
+chunks from another offset (0, 3, 6, 1, ... for c = 8), so a chunk recurs only every c epochs.
+Held-out read-back (`heldout_sets`): chunks of SQuAD validation paragraphs, of the books'
+validation passages, and of the held-out bAbI tasks' stories.
+
+The run is a curve, not a rung: held-out token accuracy and exact chunks every ``eval_every``
+steps go to ``curve.jsonl`` with the step and the seconds trained; the state (writer, AdamW
+moments, step, seconds) is written atomically as safetensors + JSON at each evaluation, so
+``--resume`` continues the same curve across sessions (the data order is a function of the step).
+
+    python -m ilcp.training.chunk_pretrain --out checkpoints/chunk-c8 --chunk-tokens 8 --steps 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor
+
+from ..compat import cache_kwargs, new_dynamic_cache, output_cache
+from ..encoder.chunk import ChunkWriter
+from ..io import atomic_save_safetensors, atomic_write_json
+from ..lm import LM, load_lm
+from ..receiver.prompts import reconstruction_prompt
+
+HELDOUT_BABI = ("2", "11", "16")
+TRAINED_BABI = ("1", "3", "6", "7", "8", "9", "10", "15", "17", "18", "19", "20")  # the shipped tasks, held-out ones left out
+
+
+@dataclass
+class ChunkPretrainConfig:
+    chunk_tokens: int = 8
+    batch_chunks: int = 32
+    steps: int = 1500
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    eval_every: int = 250
+    heldout_chunks: int = 256
+    width: int = 256
+    inner: int = 1024
+    babi_stories: int = 3000  # per the trained tasks together
+    seed: int = 0
+    window_chunks: int = 1  # N: a text of N x c tokens read back from N vectors (1: stage a, one chunk)
+    init_from: str = ""  # a chunk pretraining folder whose writer this run starts from (stage b after a)
+
+    @property
+    def window_tokens(self) -> int:
+        return self.window_chunks * self.chunk_tokens
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def _squad_contexts(split: str) -> list[str]:
+    from ..datadir import data_root
+
+    seen: dict[str, None] = {}
+    with open(Path(data_root()) / "squad" / f"{split}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            seen.setdefault(json.loads(line)["context"], None)
+    return list(seen)
+
+
+def _book_passages(split: str, sentences_per_passage: int = 6) -> list[str]:
+    from ..tasks.background import background_sentences
+
+    rows = background_sentences(split)
+    passages, current, source = [], [], None
+    for s in rows:
+        if s.source != source or len(current) == sentences_per_passage:
+            if current:
+                passages.append(" ".join(current))
+            current, source = [], s.source
+        current.append(s.text)
+    if current:
+        passages.append(" ".join(current))
+    return passages
+
+
+def _babi_texts(tasks, split: str, limit: int) -> list[str]:
+    from ..tasks.babi import babi_stories
+
+    return babi_stories(list(tasks), variant="en", split=split)[:limit]
+
+
+def chunk_corpus(cfg: ChunkPretrainConfig) -> dict[str, list[str]]:
+    """The training texts by source."""
+    return {"squad": _squad_contexts("train"), "prose": _book_passages("train"),
+            "babi": _babi_texts(TRAINED_BABI, "train", cfg.babi_stories)}
+
+
+def heldout_texts(cfg: ChunkPretrainConfig) -> dict[str, list[str]]:
+    """The held-out read-back texts by name (never trained on)."""
+    return {"squad": _squad_contexts("validation"), "prose": _book_passages("validation"),
+            "babi_heldout_tasks": _babi_texts(HELDOUT_BABI, "test", 200)}
+
+
+def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def cut(token_lists: list[list[int]], c: int, offset: int = 0) -> Tensor:
+    """Every whole chunk of c tokens of every text, starting `offset` tokens in: (N, c) long."""
+    rows = [ids[i:i + c] for ids in token_lists for i in range(offset, len(ids) - c + 1, c)]
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, c)
+
+
+def epoch_offset(epoch: int, c: int) -> int:
+    """The chunk grid's offset in an epoch: a step of 3 (coprime with 4 and 8) walks all c offsets."""
+    return (3 * epoch) % c
+
+
+def even_sample(chunks: Tensor, n: int) -> Tensor:
+    """At most n chunks spread evenly over the set (the same every time)."""
+    if len(chunks) <= n:
+        return chunks
+    return chunks[torch.linspace(0, len(chunks) - 1, n).round().long()]
+
+
+class ChunkBatches:
+    """The training chunks in a fixed order that is a function of (seed, step): resuming at a step
+    gives the batches an uninterrupted run would have seen."""
+
+    def __init__(self, token_lists: list[list[int]], c: int, batch: int, seed: int, length: int | None = None):
+        self.tokens, self.c, self.batch, self.seed = token_lists, c, batch, seed
+        self.length = length or c  # tokens a row (N chunks of c)
+        self._epoch, self._order = None, None
+
+    def _epoch_chunks(self, epoch: int) -> Tensor:
+        if self._epoch != epoch:
+            chunks = cut(self.tokens, self.length, epoch_offset(epoch, self.c))
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order, self._epoch = chunks[torch.randperm(len(chunks), generator=g)], epoch
+        return self._order
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self._epoch_chunks(0)) // self.batch)
+
+    def at(self, step: int) -> Tensor:
+        per = self.steps_per_epoch()
+        chunks = self._epoch_chunks(step // per)
+        i = step % per
+        return chunks[i * self.batch:(i + 1) * self.batch]
+
+
+# -------------------------------------------------------------------------------------- receiver
+
+
+class ChunkReader:
+    """The frozen receiver reading [reconstruction instruction ; one memory vector ; the chunk].
+
+    The instruction's key/value cache is computed once; `read` runs all chunks of a batch in one
+    forward of c positions each.
+    """
+
+    def __init__(self, lm: LM):
+        self.lm = lm
+        tok = lm.tokenizer
+        self.prefix_ids = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
+        self.table = lm.model.get_input_embeddings().weight
+        with torch.no_grad():
+            out = lm.model(input_ids=torch.tensor([self.prefix_ids], device=lm.device), use_cache=True)
+        cache = output_cache(out)
+        from ..compat import cache_tensors
+
+        self.prefix_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(cache)]
+        self.prefix_logits = out.logits[0, -1].detach().float()  # what the instruction alone predicts next
+
+    @property
+    def prefix_length(self) -> int:
+        return len(self.prefix_ids)
+
+    def _cache(self, n: int):
+        cache = new_dynamic_cache(self.lm.model)
+        for layer, (k, v) in enumerate(self.prefix_kv):
+            cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer)
+        return cache
+
+    def logits(self, memory: Tensor | None, tokens: Tensor) -> Tensor:
+        """(B, L, V) logits for ``tokens`` (B, L), teacher-forced, read after the instruction and
+        ``memory`` (B, N, H) (None: no memory, the instruction alone)."""
+        b, length = tokens.shape
+        embeds = self.table[tokens.to(self.table.device)]
+        n = 0 if memory is None else memory.shape[1]
+        inputs = embeds[:, :-1] if memory is None else torch.cat([memory.to(embeds.dtype), embeds[:, :-1]], dim=1)
+        if inputs.shape[1] == 0:
+            return self.prefix_logits.expand(b, 1, -1)
+        p = self.prefix_length
+        positions = torch.arange(p, p + inputs.shape[1], device=inputs.device).expand(b, -1)
+        mask = torch.ones(b, p + inputs.shape[1], dtype=torch.long, device=inputs.device)
+        out = self.lm.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
+                            **cache_kwargs(self.lm.model, self._cache(b)), use_cache=True)
+        logits = out.logits.float()
+        if memory is None:
+            return torch.cat([self.prefix_logits.expand(b, 1, -1), logits], dim=1)
+        return logits[:, n - 1:]
+
+    def score(self, memory: Tensor | None, tokens: Tensor) -> dict:
+        """Loss (nats a token), token accuracy and exact texts (every token right, so greedy
+        decoding says the text back) of reading ``tokens`` (B, L) from ``memory`` (B, N, H)."""
+        logits = self.logits(memory, tokens)
+        labels = tokens.to(logits.device)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        right = logits.argmax(-1) == labels
+        return {"loss": loss, "token_accuracy": right.float().mean(), "exact": right.all(-1).float().mean()}
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def write(writer: ChunkWriter, reader: ChunkReader, windows: Tensor) -> Tensor:
+    """Windows of N x c tokens (B, N * c) -> their chunks' vectors (B, N, H), all chunks in one call."""
+    b, length = windows.shape
+    c = writer.chunk_tokens
+    vectors = writer(reader.table[windows.reshape(b * (length // c), c).to(reader.table.device)])
+    return vectors.reshape(b, length // c, -1)
+
+
+@torch.no_grad()
+def read_back(writer: ChunkWriter | None, reader: ChunkReader, chunks: Tensor, batch: int = 64) -> dict:
+    """Held-out read-back over `chunks` (writer None: no memory)."""
+    totals = {"loss": 0.0, "token_accuracy": 0.0, "exact": 0.0}
+    for i in range(0, len(chunks), batch):
+        part = chunks[i:i + batch]
+        memory = None if writer is None else write(writer, reader, part)
+        s = reader.score(memory, part)
+        for k in totals:
+            totals[k] += float(s[k]) * len(part)
+    return {k: round(v / len(chunks), 4) for k, v in totals.items()}
+
+
+def _lr_at(cfg: ChunkPretrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr
+
+
+def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: int, seconds: float,
+                cfg: ChunkPretrainConfig) -> None:
+    names = dict(writer.named_parameters())
+    moments = {}
+    for name, p in names.items():
+        st = opt.state.get(p)
+        if st:
+            moments[f"exp_avg.{name}"] = st["exp_avg"].contiguous()
+            moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].contiguous()
+    state = out / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors({k: v.detach().contiguous() for k, v in writer.state_dict().items()},
+                            state / "writer.safetensors")
+    atomic_save_safetensors(moments, state / "optimizer.safetensors")
+    atomic_write_json(state / "state.json", {"step": step, "seconds": round(seconds, 1), "config": asdict(cfg),
+                                             "writer": writer.settings()})
+
+
+def _load_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW) -> tuple[int, float]:
+    state = out / "state"
+    meta = json.loads((state / "state.json").read_text())
+    writer.load_state_dict(load_file(state / "writer.safetensors"))
+    moments = load_file(state / "optimizer.safetensors")
+    for name, p in writer.named_parameters():
+        if f"exp_avg.{name}" in moments:
+            opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": moments[f"exp_avg.{name}"],
+                            "exp_avg_sq": moments[f"exp_avg_sq.{name}"]}
+    return int(meta["step"]), float(meta["seconds"])
+
+
+def _curve_rows(path: Path, upto: int) -> list[dict]:
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto]
+
+
+def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = False, log=print) -> list[dict]:
+    """Train (or go on training) a chunk writer; returns the curve's rows."""
+    out = Path(out)
+    if (out / "state" / "state.json").exists() and not resume:
+        raise FileExistsError(f"{out} holds a chunk pretraining; pass --resume to go on with it or pick another --out")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner)
+    opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, seconds = 0, 0.0
+    if resume and (out / "state" / "state.json").exists():
+        saved = {**asdict(ChunkPretrainConfig()), **json.loads((out / "state" / "state.json").read_text())["config"]}
+        if {k: v for k, v in saved.items() if k != "steps"} != {k: v for k, v in asdict(cfg).items() if k != "steps"}:
+            raise ValueError(f"{out} was trained with other settings ({saved}); only --steps may change on --resume")
+        step, seconds = _load_state(out, writer, opt)
+        log(f"[chunk] resumed at step {step} ({seconds / 3600:.2f} h trained)")
+    elif cfg.init_from:
+        writer.load_state_dict(load_file(Path(cfg.init_from) / "state" / "writer.safetensors"))
+        log(f"[chunk] writer from {cfg.init_from}")
+    reader = ChunkReader(lm)
+    tok = lm.tokenizer
+    corpus = chunk_corpus(cfg)
+    tokens = [ids for texts in corpus.values() for ids in tokenize(tok, texts)]
+    batches = ChunkBatches(tokens, cfg.chunk_tokens, cfg.batch_chunks, cfg.seed, cfg.window_tokens)
+    heldout = {name: even_sample(cut(tokenize(tok, texts), cfg.window_tokens), cfg.heldout_chunks)
+               for name, texts in heldout_texts(cfg).items()}
+    log(f"[chunk] corpus: {', '.join(f'{k} {len(v)} texts' for k, v in corpus.items())}; "
+        f"{len(batches._epoch_chunks(0))} texts of {cfg.window_chunks} x {cfg.chunk_tokens} tokens an epoch "
+        f"({batches.steps_per_epoch()} steps of {cfg.batch_chunks}); held out: "
+        f"{', '.join(f'{k} {len(v)}' for k, v in heldout.items())}; writer {sum(p.numel() for p in writer.parameters()):,} "
+        f"parameters")
+    out.mkdir(parents=True, exist_ok=True)
+    curve_path = out / "curve.jsonl"
+    rows = _curve_rows(curve_path, step)
+    if not rows:
+        base = {name: read_back(None, reader, chunks) for name, chunks in heldout.items()}
+        atomic_write_json(out / "no_memory.json", base)
+        log(f"[chunk] no memory: {json.dumps(base)}")
+    losses: list[float] = []
+    last = time.perf_counter()
+
+    def evaluate():
+        nonlocal last, seconds
+        seconds += time.perf_counter() - last
+        writer.eval()
+        row = {"step": step, "seconds": round(seconds, 1),
+               "train_loss": round(sum(losses) / len(losses), 4) if losses else None,
+               **{name: read_back(writer, reader, chunks) for name, chunks in heldout.items()}}
+        writer.train()
+        rows.append(row)
+        from ..io import atomic_write_text
+
+        atomic_write_text(curve_path, "".join(json.dumps(r) + "\n" for r in rows))
+        _save_state(out, writer, opt, step, seconds, cfg)
+        log(f"[chunk] step {step} | {seconds / 60:.1f} min | " + " | ".join(
+            f"{name} acc {row[name]['token_accuracy']:.3f} exact {row[name]['exact']:.3f}" for name in heldout)
+            + (f" | train loss {row['train_loss']:.3f}" if losses else ""))
+        losses.clear()
+        last = time.perf_counter()
+
+    if not rows:
+        evaluate()
+    while step < cfg.steps:
+        chunks = batches.at(step)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(cfg, step)
+        loss = reader.score(write(writer, reader, chunks), chunks)["loss"]
+        if not math.isfinite(float(loss.detach())):
+            raise FloatingPointError(f"chunk pretraining: the loss is {float(loss)} at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(writer.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        if step % 25 == 0:
+            elapsed = seconds + time.perf_counter() - last
+            log(f"[chunk] step {step}/{cfg.steps} | loss {sum(losses[-25:]) / len(losses[-25:]):.3f} | "
+                f"{elapsed / step if step else 0:.2f} s/step | {cfg.batch_chunks * step / max(elapsed, 1e-9):.1f} chunks/s")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evaluate()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ilcp.training.chunk_pretrain", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="the run's folder (curve.jsonl, state/)")
+    p.add_argument("--lm", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", help="the frozen receiver's dtype (float32 or bfloat16)")
+    p.add_argument("--resume", action="store_true", help="go on with the run in --out")
+    defaults = ChunkPretrainConfig()
+    for name, value in asdict(defaults).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = p.parse_args(argv)
+    cfg = ChunkPretrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    lm = load_lm(args.lm, dtype=args.dtype)
+    try:
+        pretrain(Path(args.out), lm, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
+    except (FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

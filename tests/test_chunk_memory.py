@@ -1,0 +1,145 @@
+"""Chunk memory: the writer, the receiver's cached read and the resumable pretraining curve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ilcp.encoder.chunk import ChunkWriter, chunk_ids
+from ilcp.lm import load_lm
+from ilcp.training.chunk_pretrain import ChunkPretrainConfig, ChunkReader, cut, epoch_offset, pretrain, write
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_lm("tiny-qwen3")
+
+
+def test_chunk_ids_cut_and_pad():
+    chunks, lengths = chunk_ids([5, 6, 7, 8, 9], 2, pad_id=0)
+    assert chunks.tolist() == [[5, 6], [7, 8], [9, 0]]
+    assert lengths.tolist() == [2, 2, 1]
+    empty, n = chunk_ids([], 4, pad_id=0)
+    assert empty.shape == (0, 4) and n.numel() == 0
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunk_ids([1], 0, pad_id=0)
+
+
+def test_untrained_writer_hands_over_the_first_token(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    chunks = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(writer(table[chunks]), table[chunks[:, 0]])
+
+
+def test_a_chunk_vector_depends_on_its_chunk_alone(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    torch.manual_seed(0)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    torch.nn.init.normal_(writer.mlp[-1].weight, std=0.1)  # a trained-like writer, not the identity start
+    context = [11, 12, 13, 14, 15, 16, 17, 18]
+    before = [21, 22, 23, 24]
+    with torch.no_grad():
+        alone = writer(table[chunk_ids(context, 4, 0)[0]])
+        after_text = writer(table[chunk_ids(before + context, 4, 0)[0]])[1:]
+        other = chunk_ids([31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], 4, 0)[0]
+        batched = writer(table[torch.cat([other, chunk_ids(context, 4, 0)[0]])])[len(other):]
+    torch.testing.assert_close(alone, after_text)
+    torch.testing.assert_close(alone, batched)
+    assert not torch.allclose(alone[0], alone[1])
+
+
+def test_writer_reads_padding_as_past_the_end(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    torch.nn.init.normal_(writer.mlp[-1].weight, std=0.1)
+    a = torch.tensor([[3, 4, 0, 0]])
+    b = torch.tensor([[3, 4, 9, 9]])
+    lengths = torch.tensor([2])
+    with torch.no_grad():
+        torch.testing.assert_close(writer(table[a], lengths), writer(table[b], lengths))
+
+
+def test_writer_refuses_wrong_shapes(tiny):
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    with pytest.raises(ValueError, match=r"\(N, 4, 64\)"):
+        writer(torch.zeros(2, 3, tiny.hidden_size))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ChunkWriter(tiny.hidden_size, 0)
+
+
+@pytest.mark.parametrize("chunks_per_text", [1, 3])
+def test_cached_instruction_reads_as_the_whole_sequence(tiny, chunks_per_text):
+    reader = ChunkReader(tiny)
+    torch.manual_seed(1)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    torch.nn.init.normal_(writer.mlp[-1].weight, std=0.1)
+    texts = torch.randint(5, 200, (2, 4 * chunks_per_text))
+    memory = write(writer, reader, texts)
+    assert memory.shape == (2, chunks_per_text, tiny.hidden_size)
+    prefix = reader.table[torch.tensor([reader.prefix_ids] * 2)]
+    for mem in (memory, None):
+        got = reader.logits(mem, texts)
+        parts = [prefix] + ([] if mem is None else [mem]) + [reader.table[texts][:, :-1]]
+        full = tiny.model(inputs_embeds=torch.cat(parts, dim=1)).logits.float()
+        start = prefix.shape[1] - 1 + (0 if mem is None else mem.shape[1])
+        torch.testing.assert_close(got, full[:, start:], atol=1e-4, rtol=1e-4)
+        assert got.shape[:2] == texts.shape
+
+
+def test_cut_and_offsets():
+    assert cut([[1, 2, 3, 4, 5, 6, 7]], 3).tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert cut([[1, 2, 3, 4, 5, 6, 7]], 3, offset=1).tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert sorted(epoch_offset(e, 8) for e in range(8)) == list(range(8))
+    assert sorted(epoch_offset(e, 4) for e in range(4)) == list(range(4))
+
+
+def _tiny_cfg(steps: int) -> ChunkPretrainConfig:
+    return ChunkPretrainConfig(chunk_tokens=4, batch_chunks=8, steps=steps, lr=3e-3, warmup_steps=2, eval_every=5,
+                               heldout_chunks=8, width=8, inner=16, babi_stories=20)
+
+
+def test_pretraining_lowers_the_loss_and_resumes_on_the_same_curve(tiny, tmp_path):
+    quiet = lambda _m: None  # noqa: E731
+    whole = pretrain(tmp_path / "whole", tiny, _tiny_cfg(10), log=quiet)
+    assert [r["step"] for r in whole] == [0, 5, 10]
+    first = pretrain(tmp_path / "split", tiny, _tiny_cfg(5), log=quiet)
+    with pytest.raises(FileExistsError, match="--resume"):
+        pretrain(tmp_path / "split", tiny, _tiny_cfg(10), log=quiet)
+    with pytest.raises(ValueError, match="other settings"):
+        pretrain(tmp_path / "split", tiny, ChunkPretrainConfig(**{**_tiny_cfg(10).__dict__, "lr": 1e-2}), resume=True,
+                 log=quiet)
+    resumed = pretrain(tmp_path / "split", tiny, _tiny_cfg(10), resume=True, log=quiet)
+    assert [r["step"] for r in first] == [0, 5] and [r["step"] for r in resumed] == [0, 5, 10]
+    for a, b in zip(whole, resumed):
+        assert a["squad"] == b["squad"] and a["train_loss"] == b["train_loss"]
+    state = json.loads((tmp_path / "split" / "state" / "state.json").read_text())
+    assert state["step"] == 10 and state["seconds"] > 0
+    lines = (tmp_path / "split" / "curve.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 5, 10]
+    # the untrained writer reads as its chunks' first tokens; training moves the held-out loss
+    assert whole[-1]["squad"]["loss"] != whole[0]["squad"]["loss"]
+
+
+def test_the_receivers_loss_trains_the_writer_alone(tiny):
+    """The frozen receiver passes its gradient to the writer (every parameter of it) and keeps none;
+    steps on one batch lower its loss. (The tiny random LM barely reads its inputs, so the drop is small.)"""
+    reader = ChunkReader(tiny)
+    torch.manual_seed(0)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=16, inner=64)
+    opt = torch.optim.AdamW(writer.parameters(), lr=1e-2)
+    texts = torch.randint(5, 200, (8, 4))
+    losses = []
+    for step in range(30):
+        loss = reader.score(write(writer, reader, texts), texts)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        if step == 1:  # the zero-initialised last layer has moved, so gradients reach every layer
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in writer.parameters())
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(p.grad is None for p in tiny.model.parameters())
+    assert losses[-1] < losses[0] - 0.02
