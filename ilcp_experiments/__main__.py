@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "sweep": ("ilcp_experiments.sweep", "train and evaluate at several payload sizes (--sweep FILE)"),
     "report": ("ilcp_experiments.results_docs", "regenerate (or --check) the docs generated from docs/results"),
+    "curves": ("ilcp_experiments.chunk_curves", "plot and tabulate chunk pretraining curves (RUN ... --out DIR)"),
 }
 
 

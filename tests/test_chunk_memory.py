@@ -122,6 +122,13 @@ def test_pretraining_lowers_the_loss_and_resumes_on_the_same_curve(tiny, tmp_pat
     assert [json.loads(line)["step"] for line in lines] == [0, 5, 10]
     # the untrained writer reads as its chunks' first tokens; training moves the held-out loss
     assert whole[-1]["squad"]["loss"] != whole[0]["squad"]["loss"]
+    # the curves command plots and tabulates the run
+    from ilcp_experiments.chunk_curves import main as curves
+
+    assert curves([str(tmp_path / "split"), "--out", str(tmp_path / "curves")]) == 0
+    md = (tmp_path / "curves" / "curves.md").read_text()
+    assert "| no memory |" in md and md.count("\n| 5 |") == 1 and (tmp_path / "curves" / "curves.png").stat().st_size > 0
+    assert curves([str(tmp_path / "nothing"), "--out", str(tmp_path / "curves")]) == 2
 
 
 def test_the_receivers_loss_trains_the_writer_alone(tiny):

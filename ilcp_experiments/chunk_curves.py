@@ -1,0 +1,95 @@
+"""``python -m ilcp_experiments curves RUN [RUN ...] --out docs/results/chunk-memory``: the held-out
+read-back curves of chunk pretraining runs (`ilcp.training.chunk_pretrain`), as a plot against steps
+and hours and a markdown table, from each run's ``curve.jsonl``, ``no_memory.json`` and
+``state/state.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ilcp.io import atomic_write_text
+
+
+def read_run(folder: Path) -> dict:
+    folder = Path(folder)
+    curve = folder / "curve.jsonl"
+    if not curve.exists():
+        raise FileNotFoundError(f"{curve} does not exist (not a chunk pretraining folder)")
+    rows = [json.loads(line) for line in curve.read_text().splitlines() if line.strip()]
+    state = json.loads((folder / "state" / "state.json").read_text())
+    base_path = folder / "no_memory.json"
+    base = json.loads(base_path.read_text()) if base_path.exists() else {}
+    return {"name": folder.name, "rows": rows, "config": state["config"], "no_memory": base}
+
+
+def sets_of(run: dict) -> list[str]:
+    return [k for k, v in run["rows"][0].items() if isinstance(v, dict)]
+
+
+def table(runs: list[dict]) -> str:
+    lines = []
+    for run in runs:
+        cfg = run["config"]
+        sets = sets_of(run)
+        lines += [f"### {run['name']}: c = {cfg['chunk_tokens']}, {cfg.get('window_chunks', 1)} vector(s) a text, "
+                  f"batch {cfg['batch_chunks']}, lr {cfg['lr']}", "",
+                  "| step | hours | train loss | " + " | ".join(f"{s} acc / exact / loss" for s in sets) + " |",
+                  "|---:|---:|---:|" + "---|" * len(sets)]
+        if run["no_memory"]:
+            lines.append("| no memory | - | - | " + " | ".join(
+                f"{run['no_memory'][s]['token_accuracy']:.3f} / {run['no_memory'][s]['exact']:.3f} / "
+                f"{run['no_memory'][s]['loss']:.2f}" for s in sets) + " |")
+        for r in run["rows"]:
+            loss = "-" if r.get("train_loss") is None else f"{r['train_loss']:.3f}"
+            lines.append(f"| {r['step']} | {r['seconds'] / 3600:.2f} | {loss} | " + " | ".join(
+                f"{r[s]['token_accuracy']:.3f} / {r[s]['exact']:.3f} / {r[s]['loss']:.2f}" for s in sets) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for run in runs:
+        for s in sets_of(run):
+            acc = [r[s]["token_accuracy"] for r in run["rows"]]
+            label = f"{run['name']}: {s}"
+            line, = axes[0].plot([r["step"] for r in run["rows"]], acc, marker="o", ms=3, label=label)
+            axes[1].plot([r["seconds"] / 3600 for r in run["rows"]], acc, marker="o", ms=3, color=line.get_color())
+            if run["no_memory"]:
+                axes[0].axhline(run["no_memory"][s]["token_accuracy"], color=line.get_color(), ls=":", lw=1)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("hours trained (one CPU thread)")
+    axes[0].set_ylabel("held-out token accuracy (dotted: no memory)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ilcp_experiments curves", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="chunk pretraining folders")
+    p.add_argument("--out", type=Path, required=True, help="folder for curves.png and curves.md")
+    args = p.parse_args(argv)
+    try:
+        runs = [read_run(folder) for folder in args.runs]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        print(f"error: {e}")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(runs, args.out / "curves.png")
+    atomic_write_text(args.out / "curves.md", table(runs))
+    print(f"wrote {args.out / 'curves.png'} and {args.out / 'curves.md'}")
+    return 0
