@@ -150,3 +150,35 @@ def test_the_receivers_loss_trains_the_writer_alone(tiny):
         losses.append(float(loss.detach()))
     assert all(p.grad is None for p in tiny.model.parameters())
     assert losses[-1] < losses[0] - 0.02
+
+
+def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
+    """Through the encoder's own path (layer-0 states, chunks cut from right-padded contexts), a
+    chunk's latent is its writer's vector: the same alone, after other text, or in a batch."""
+    from ilcp.encoder.chunk import ChunkEncoder
+    from ilcp.encoder.pooling import pad_right, sender_token_states
+
+    torch.manual_seed(0)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    torch.nn.init.normal_(writer.mlp[-1].weight, std=0.1)
+    encoder = ChunkEncoder(writer).eval()
+    context, before = list(range(11, 21)), list(range(31, 39))  # 10 tokens: chunks of 4, 4 and 2
+
+    def latents(rows):
+        ids, mask = pad_right(rows, 0)
+        states = sender_token_states(tiny.model, ids, mask, (0,))
+        with torch.no_grad():
+            z = encoder.latent(states, mask)
+        real = encoder.latent_mask(mask)
+        return [z[i][real[i]] for i in range(len(rows))]
+
+    alone = latents([context])[0]
+    assert alone.shape == (3, tiny.hidden_size)
+    torch.testing.assert_close(latents([before + context])[0][2:], alone)
+    torch.testing.assert_close(latents([list(range(40, 70)), context])[1], alone)
+    table = tiny.model.get_input_embeddings().weight
+    with torch.no_grad():
+        torch.testing.assert_close(alone[0], writer(table[torch.tensor([context[:4]])])[0])
+        memory = encoder.memory(alone.unsqueeze(0))
+    assert memory.shape == (1, 3, tiny.hidden_size)  # one memory vector per chunk, in order
+    torch.testing.assert_close(memory[0], alone)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ChunkWriter", "chunk_ids"]
+from .model import ILCPEncoder
+
+__all__ = ["ChunkEncoder", "ChunkPooler", "ChunkWriter", "IdentityProjector", "PassThroughLatent", "chunk_ids"]
 
 
 def chunk_ids(ids: list[int], chunk_tokens: int, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -82,3 +84,101 @@ class ChunkWriter(nn.Module):
             real = torch.arange(c, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]
             x = torch.where(real[..., None], x, self.place[c])
         return embeds[:, 0].to(dtype) + self.mlp(self.norm(x.reshape(n, c * self.width)))
+
+
+class ChunkPooler(nn.Module):
+    """The writer where an `ILCPEncoder` holds its pooler: one chunk's token states (its input
+    embeddings, layer 0), (B, C', D) with mask (B, C'), C' <= C -> one vector (B, D) float32."""
+
+    kind = "chunk"
+
+    def __init__(self, writer: ChunkWriter):
+        super().__init__()
+        self.writer = writer
+
+    @property
+    def dim(self) -> int:
+        return self.writer.hidden_size
+
+    @property
+    def output_dim(self) -> int:
+        return self.writer.hidden_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.writer.chunk_tokens
+
+    def forward(self, states: Tensor, attention_mask: Tensor) -> Tensor:
+        c = self.chunk_tokens
+        if states.dim() != 3 or states.shape[-1] != self.dim or states.shape[1] > c:
+            raise ValueError(f"chunk states must be (batch, <= {c}, {self.dim}), got {tuple(states.shape)}")
+        if states.shape[1] < c:
+            states = torch.cat([states, states.new_zeros(states.shape[0], c - states.shape[1], self.dim)], dim=1)
+        lengths = attention_mask.long().sum(-1)
+        with torch.autocast(states.device.type, enabled=False):
+            return self.writer(states.float(), lengths).float()
+
+
+class PassThroughLatent(nn.Module):
+    """Stands where the beta-VAE stands when the written vector itself crosses the wire (full
+    width): z = the vector, no standardisation, no sampling, no KL."""
+
+    beta = 0.0
+    hidden_dim = 1  # no body; the export spec's smallest width
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.input_dim = self.latent_dim = int(dim)
+
+    def encode(self, pooled: Tensor) -> tuple[Tensor, Tensor]:
+        if pooled.dim() != 2 or pooled.shape[1] != self.input_dim:
+            raise ValueError(f"expected written vectors (batch, {self.input_dim}), got {tuple(pooled.shape)}")
+        return pooled.float(), torch.zeros_like(pooled, dtype=torch.float32)
+
+    @staticmethod
+    def reparameterise(mu: Tensor, logvar: Tensor) -> Tensor:
+        return mu
+
+    def latent(self, pooled: Tensor) -> Tensor:
+        return self.encode(pooled)[0]
+
+    def set_standardisation(self, pooled: Tensor, eps: float = 1e-6) -> None:
+        """Nothing to set: the vector crosses as it is."""
+
+
+class IdentityProjector(nn.Module):
+    """Stands where the projector stands when each received vector is read as it is: z (B, H) ->
+    (B, 1, H)."""
+
+    num_memory_tokens = 1
+    hidden = 1
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.latent_dim = self.model_hidden = int(dim)
+
+    def forward(self, z: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        if z.dim() != 2 or z.shape[1] != self.latent_dim:
+            raise ValueError(f"z must be (batch, {self.latent_dim}), got shape {tuple(z.shape)}")
+        memory = z.float().unsqueeze(1)
+        return memory if dtype is None else memory.to(dtype)
+
+
+class ChunkEncoder(ILCPEncoder):
+    """The encoder of a chunk memory: one latent per chunk of c tokens, the writer's vector (the
+    LM's width) as it is, read by the receiver as one memory vector (K = 1). It reads layer 0, the
+    context's input embeddings: no sender forward."""
+
+    def __init__(self, writer: ChunkWriter, **receiver):
+        h = writer.hidden_size
+        super().__init__(PassThroughLatent(h), IdentityProjector(h), ChunkPooler(writer),
+                         chunk_tokens=writer.chunk_tokens, **receiver)
+
+    @property
+    def writer(self) -> ChunkWriter:
+        return self.pooler.writer
+
+    def memory_for_batch(self, batch: dict, dtype: torch.dtype, sample: bool = False):
+        """As `ILCPEncoder.memory_for_batch`, with no sampling and no KL (nothing is sampled)."""
+        memory, _ = super().memory_for_batch(batch, dtype, sample=False)
+        return memory, torch.zeros((), device=self.writer.place.device)
