@@ -1,6 +1,7 @@
 """``python -m ilcp_experiments curves RUN [RUN ...] --out docs/results/chunk-memory``: the held-out
 read-back curves of chunk pretraining runs (`ilcp.training.chunk_pretrain`), as a plot against steps
-and hours and a markdown table, from each run's ``curve.jsonl``, ``no_memory.json`` and
+and hours, a markdown table and ``chunk_curves.json`` (every run's settings, sessions with their
+provenance, and rows), from each run's ``curve.jsonl``, ``no_memory.json``, ``sessions.json`` and
 ``state/state.json``.
 """
 
@@ -22,7 +23,10 @@ def read_run(folder: Path) -> dict:
     state = json.loads((folder / "state" / "state.json").read_text())
     base_path = folder / "no_memory.json"
     base = json.loads(base_path.read_text()) if base_path.exists() else {}
-    return {"name": folder.name, "rows": rows, "config": state["config"], "no_memory": base}
+    sessions_path = folder / "sessions.json"
+    sessions = json.loads(sessions_path.read_text()) if sessions_path.exists() else []
+    return {"name": folder.name, "rows": rows, "config": state["config"], "no_memory": base, "sessions": sessions,
+            "steps": state["step"], "hours": round(state["seconds"] / 3600, 2)}
 
 
 def sets_of(run: dict) -> list[str]:
@@ -91,5 +95,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(runs, args.out / "curves.png")
     atomic_write_text(args.out / "curves.md", table(runs))
+    from ilcp.io import atomic_write_json
+    from ilcp.provenance import provenance
+
+    atomic_write_json(args.out / "chunk_curves.json", {"provenance": provenance(), "runs": runs})
     print(f"wrote {args.out / 'curves.png'} and {args.out / 'curves.md'}")
     return 0

@@ -129,6 +129,9 @@ def test_pretraining_lowers_the_loss_and_resumes_on_the_same_curve(tiny, tmp_pat
     md = (tmp_path / "curves" / "curves.md").read_text()
     assert "| no memory |" in md and md.count("\n| 5 |") == 1 and (tmp_path / "curves" / "curves.png").stat().st_size > 0
     assert curves([str(tmp_path / "nothing"), "--out", str(tmp_path / "curves")]) == 2
+    record = json.loads((tmp_path / "curves" / "chunk_curves.json").read_text())
+    assert record["runs"][0]["steps"] == 10 and [s["from_step"] for s in record["runs"][0]["sessions"]] == [0, 5]
+    assert record["provenance"]["machine"]
 
 
 def test_the_receivers_loss_trains_the_writer_alone(tiny):

@@ -324,6 +324,11 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         f"{', '.join(f'{k} {len(v)}' for k, v in heldout.items())}; writer {sum(p.numel() for p in writer.parameters()):,} "
         f"parameters")
     out.mkdir(parents=True, exist_ok=True)
+    from ..provenance import provenance
+
+    sessions_path = out / "sessions.json"
+    sessions = json.loads(sessions_path.read_text()) if sessions_path.exists() else []
+    atomic_write_json(sessions_path, sessions + [{"from_step": step, **provenance()}])
     curve_path = out / "curve.jsonl"
     rows = _curve_rows(curve_path, step)
     if not rows:
