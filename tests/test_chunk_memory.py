@@ -185,3 +185,31 @@ def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
         memory = encoder.memory(alone.unsqueeze(0))
     assert memory.shape == (1, 3, tiny.hidden_size)  # one memory vector per chunk, in order
     torch.testing.assert_close(memory[0], alone)
+
+
+@pytest.mark.parametrize("config", ["configs/chunk-pretrain.yaml", "configs/chunk-pretrain-gpu.yaml"])
+def test_the_shipped_recipes_run_at_tiny_size(config, tmp_path, capsys):
+    """Each recipe's settings are read as they stand; at the tiny LM's size on the CPU, two steps run."""
+    from pathlib import Path
+
+    from ilcp.training.chunk_pretrain import load_settings, main
+
+    root = Path(__file__).resolve().parent.parent
+    cfg, runtime = load_settings(str(root / config), {})
+    assert runtime["lm"] == "smollm2-135m-instruct" and cfg.chunk_tokens == 8 and cfg.steps >= 1500
+    code = main(["--config", str(root / config), "--out", str(tmp_path / "run"), "--lm", "tiny-qwen3", "--device", "cpu",
+                 "--dtype", "float32", "--steps", "2", "--eval-every", "2", "--heldout-chunks", "4", "--width", "8",
+                 "--inner", "16", "--babi-stories", "10"])
+    assert code == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "curve.jsonl").read_text().splitlines()] == [0, 2]
+
+
+def test_bad_chunk_settings_are_one_line(tmp_path, capsys):
+    from ilcp.training.chunk_pretrain import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_tokenz: 8\n")
+    assert main(["--config", str(bad), "--out", str(tmp_path / "run")]) == 2
+    assert "unknown chunk pretraining setting(s) chunk_tokenz" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "run")]) == 2
+    assert "cannot read" in capsys.readouterr().err

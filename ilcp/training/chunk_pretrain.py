@@ -263,11 +263,11 @@ def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: in
     for name, p in names.items():
         st = opt.state.get(p)
         if st:
-            moments[f"exp_avg.{name}"] = st["exp_avg"].contiguous()
-            moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].contiguous()
+            moments[f"exp_avg.{name}"] = st["exp_avg"].detach().cpu().contiguous()
+            moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().cpu().contiguous()
     state = out / "state"
     state.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors({k: v.detach().contiguous() for k, v in writer.state_dict().items()},
+    atomic_save_safetensors({k: v.detach().cpu().contiguous() for k, v in writer.state_dict().items()},
                             state / "writer.safetensors")
     atomic_save_safetensors(moments, state / "optimizer.safetensors")
     atomic_write_json(state / "state.json", {"step": step, "seconds": round(seconds, 1), "config": asdict(cfg),
@@ -277,8 +277,9 @@ def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: in
 def _load_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW) -> tuple[int, float]:
     state = out / "state"
     meta = json.loads((state / "state.json").read_text())
+    device = next(writer.parameters()).device
     writer.load_state_dict(load_file(state / "writer.safetensors"))
-    moments = load_file(state / "optimizer.safetensors")
+    moments = load_file(state / "optimizer.safetensors", device=str(device))
     for name, p in writer.named_parameters():
         if f"exp_avg.{name}" in moments:
             opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": moments[f"exp_avg.{name}"],
@@ -299,12 +300,13 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         raise FileExistsError(f"{out} holds a chunk pretraining; pass --resume to go on with it or pick another --out")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner)
+    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner).to(lm.device)
     opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():
-        saved = {**asdict(ChunkPretrainConfig()), **json.loads((out / "state" / "state.json").read_text())["config"]}
-        if {k: v for k, v in saved.items() if k != "steps"} != {k: v for k, v in asdict(cfg).items() if k != "steps"}:
+        saved = json.loads((out / "state" / "state.json").read_text())["config"]
+        now = asdict(cfg)  # settings added since the run started are not compared
+        if {k: v for k, v in saved.items() if k != "steps"} != {k: now[k] for k in saved if k != "steps"}:
             raise ValueError(f"{out} was trained with other settings ({saved}); only --steps may change on --resume")
         step, seconds = _load_state(out, writer, opt)
         log(f"[chunk] resumed at step {step} ({seconds / 3600:.2f} h trained)")
@@ -381,19 +383,48 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     return rows
 
 
+def load_settings(path: str | None, overrides: dict) -> tuple[ChunkPretrainConfig, dict]:
+    """The run's settings: a YAML file of `ChunkPretrainConfig` fields plus ``lm``, ``dtype`` and
+    ``device`` (all optional), then the command line's overrides. ValueError names a wrong key."""
+    import yaml
+
+    loaded = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e.strerror}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path} must hold a mapping of settings")
+    merged = {**loaded, **{k: v for k, v in overrides.items() if v is not None}}
+    runtime = {k: merged.pop(k) for k in ("lm", "dtype", "device") if k in merged}
+    known = set(asdict(ChunkPretrainConfig()))
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise ValueError(f"unknown chunk pretraining setting(s) {', '.join(unknown)} (known: lm, dtype, device, "
+                         f"{', '.join(sorted(known))})")
+    return ChunkPretrainConfig(**merged), {"lm": "smollm2-135m-instruct", "dtype": "float32", "device": "cpu", **runtime}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ilcp.training.chunk_pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="the run's folder (curve.jsonl, state/)")
-    p.add_argument("--lm", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32", help="the frozen receiver's dtype (float32 or bfloat16)")
+    p.add_argument("--config", help="a YAML file of settings (configs/chunk-pretrain.yaml); flags override it")
+    p.add_argument("--lm", help="the frozen LM (default smollm2-135m-instruct)")
+    p.add_argument("--dtype", help="the frozen receiver's dtype: float32 (default) or bfloat16")
+    p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--resume", action="store_true", help="go on with the run in --out")
-    defaults = ChunkPretrainConfig()
-    for name, value in asdict(defaults).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for name, value in asdict(ChunkPretrainConfig()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None, help=f"default {value!r}")
     args = p.parse_args(argv)
-    cfg = ChunkPretrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    try:
+        cfg, runtime = load_settings(args.config, {k: getattr(args, k) for k in
+                                                   [*asdict(ChunkPretrainConfig()), "lm", "dtype", "device"]})
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    lm = load_lm(args.lm, dtype=args.dtype)
+    lm = load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"])
     try:
         pretrain(Path(args.out), lm, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
     except (FileExistsError, ValueError) as e:
