@@ -29,12 +29,13 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .decoding import decoded_answer, greedy_decode_ids, stop_token_ids
+from .decoding import decoded_answer, greedy_decode, greedy_decode_ids, stop_token_ids
 from .prefix import ReceiverPrefix, question_stem, receiver_prefix
-from .receive import check_room, checked_decoding, checked_questions, reconstructions
+from .prompts import reconstruction_prompt
+from .questions import check_room, checked_decoding, checked_questions
 from .stem_decoding import greedy_after_stem, prefill_stem
 
-__all__ = ["ReceivedMemory"]
+__all__ = ["ReceivedMemory", "reconstructions"]
 
 
 class ReceivedMemory:
@@ -164,3 +165,14 @@ class ReceivedMemory:
     def __repr__(self) -> str:
         return (f"ReceivedMemory(contexts={len(self)}, positions={self.positions}, "
                 f"hidden={int(self.vectors.shape[2])})")
+
+
+def reconstructions(receiver, memory: Tensor, max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy decoding of ``[memory ; reconstruction instruction]`` for each context of memory
+    vectors (B, R, H): what the receiver says each context was."""
+    tok = receiver.lm.tokenizer
+    instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
+    prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(receiver.lm.model)
+                for i in range(memory.shape[0])]
+    with receiver.compute():
+        return greedy_decode(receiver.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from ..checks import positive_int, text_input
+from ..checks import positive_int
 from ..encoder.model import ILCPEncoder
 from ..encoder.spec import EncoderSpec
 from ..lm import LM
@@ -33,64 +33,12 @@ from ..wire.errors import PayloadError
 from ..wire.payload import DEFAULT_MAX_ELEMENTS, TransportPayload, opened, unpack
 from ..wire.seal import ReplayGuard
 from .decoding import greedy_decode
+from .memory import ReceivedMemory, reconstructions
 from .prefix import format_vectors_of, question_stem, receiver_prefix
-from .prompts import reconstruction_prompt
+from .questions import (MAX_RECEIVE_CHARACTERS, MAX_RECEIVE_QUESTIONS, check_room, checked_decoding,
+                        checked_questions)
 
-__all__ = ["MAX_RECEIVE_CHARACTERS", "MAX_RECEIVE_QUESTIONS", "Receiver", "answers_by_request", "checked_questions",
-           "checked_decoding"]
-
-# Characters of all the questions of one receive together, checked before any is tokenised (each
-# alone is bounded by the LM's positions, `ilcp.checks.text_input`): 1 MiB, as many questions as
-# a long batch asks, far below what would exhaust memory.
-MAX_RECEIVE_CHARACTERS = 1 << 20
-# Questions of one call, checked before anything is tokenised, unsealed or projected: each
-# question of `receive` reads its own latent, so the payload, its projection and the prefixes
-# grow with the count (1,024 one-latent prefixes of SmolLM2 hold about 120 MB).
-MAX_RECEIVE_QUESTIONS = 1024
-
-
-def checked_questions(question, max_positions: int | None) -> tuple[bool, list[str]]:
-    """``(single, questions)`` of a question or a list of them, refused (ValueError, one line)
-    before any is tokenised: not a string or a non-empty list of strings, more than
-    `MAX_RECEIVE_QUESTIONS` of them, an empty one, one that is not valid Unicode or longer than
-    ``max_positions`` tokens could hold, more than `MAX_RECEIVE_CHARACTERS` characters together."""
-    single = isinstance(question, str)
-    if not single and (not isinstance(question, Sequence) or isinstance(question, (bytes, bytearray))):
-        raise ValueError(f"question must be a string or a non-empty list of strings, got "
-                         f"{type(question).__name__}")
-    if not single and len(question) > MAX_RECEIVE_QUESTIONS:
-        raise ValueError(f"{len(question):,} questions were given in one call, more than {MAX_RECEIVE_QUESTIONS:,} "
-                         "(ilcp.receiver.receive.MAX_RECEIVE_QUESTIONS): ask them in several calls")
-    questions = [question] if single else list(question)
-    if not questions or any(not isinstance(q, str) for q in questions):
-        raise ValueError("question must be a string or a non-empty list of strings")
-    if any(not q.strip() for q in questions):
-        raise ValueError("a question must not be empty")
-    for i, q in enumerate(questions):
-        text_input("the question" if single else f"question {i}", q, max_positions)
-    total = sum(len(q) for q in questions)
-    if total > MAX_RECEIVE_CHARACTERS:
-        raise ValueError(f"these {len(questions)} questions hold {total:,} characters together, more than "
-                         f"{MAX_RECEIVE_CHARACTERS:,} (ilcp.receiver.receive.MAX_RECEIVE_CHARACTERS): ask them in "
-                         "several calls")
-    return single, questions
-
-
-def checked_decoding(max_new_tokens, batch_size, stop_at_newline) -> None:
-    """Refuse decoding settings no decode runs with (ValueError, one line)."""
-    positive_int("max_new_tokens", max_new_tokens)
-    positive_int("batch_size", batch_size)
-    if not isinstance(stop_at_newline, bool):
-        raise ValueError(f"stop_at_newline must be True or False, got {stop_at_newline!r}")
-
-
-def check_room(lm: LM, longest: int, max_new_tokens: int) -> None:
-    """Refuse a receiver prompt of ``longest`` positions that with ``max_new_tokens`` exceeds the LM."""
-    limit = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
-    if limit is not None and longest + max_new_tokens > limit:
-        raise ValueError(f"the receiver's prompt ({longest} positions) plus {max_new_tokens} new tokens exceeds "
-                         f"this LM's context of {limit} positions: shorten the question")
-
+__all__ = ["MAX_RECEIVE_CHARACTERS", "MAX_RECEIVE_QUESTIONS", "Receiver", "answers_by_request"]
 
 class _Admission:
     """The sealed payloads one call opened: their nonces are released when the call is refused."""
@@ -345,8 +293,6 @@ class Receiver:
             PayloadError: what `memory_vectors` refuses.
             ValueError: ``contexts`` not a positive int (before the payload is opened).
         """
-        from .memory import ReceivedMemory
-
         return ReceivedMemory(self, self.memory_vectors(payload, contexts=contexts))
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
@@ -448,13 +394,3 @@ class Receiver:
         with self.admitted():
             return reconstructions(self, self.memory_vectors(payload, contexts=contexts), max_new_tokens, batch_size)
 
-
-def reconstructions(receiver: Receiver, memory: Tensor, max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy decoding of ``[memory ; reconstruction instruction]`` for each context of memory
-    vectors (B, R, H): what the receiver says each context was."""
-    tok = receiver.lm.tokenizer
-    instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
-    prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(receiver.lm.model)
-                for i in range(memory.shape[0])]
-    with receiver.compute():
-        return greedy_decode(receiver.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
