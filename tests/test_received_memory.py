@@ -101,7 +101,7 @@ def test_each_question_s_first_logits_equal_those_of_its_whole_prefix(handoff, t
     """The tiny run answers most questions alike: the logits tell the cached prefill from the
     whole one, where the answers cannot."""
     from ilcp import compat
-    from ilcp.receiver.stem_decoding import _batch_copy, prefill_stem
+    from ilcp.receiver.stem_decoding import batch_copy, prefill_stem
 
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     vectors = handoff.open(handoff.send(CONTEXT).to_bytes()).vectors[0]
@@ -116,7 +116,7 @@ def test_each_question_s_first_logits_equal_those_of_its_whole_prefix(handoff, t
             rest = prefix.rest_after(stem)
             cached = model(inputs_embeds=table(torch.tensor([rest])),
                            position_ids=torch.arange(len(stem), len(prefix))[None], use_cache=True,
-                           **compat.cache_kwargs(model, _batch_copy(cache, 1))).logits[0, -1]
+                           **compat.cache_kwargs(model, batch_copy(cache, 1))).logits[0, -1]
             torch.testing.assert_close(cached, whole, rtol=1e-4, atol=1e-5)
             firsts.append(whole)
     assert cache.get_seq_length() == len(stem)  # the stem's own cache is never written

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from ilcp import compat
 
-from .decoding import _greedy_steps
+from .decoding import greedy_steps
 
-__all__ = ["greedy_after_stem", "prefill_stem"]
+__all__ = ["batch_copy", "greedy_after_stem", "prefill_stem"]
 
 
 def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -51,7 +51,7 @@ def prefill_stem(model: nn.Module, stem: Tensor):
     return compat.output_cache(out)
 
 
-def _batch_copy(cache, rows: int):
+def batch_copy(cache, rows: int):
     """A copy of a batch-1 cache that shares nothing with it, repeated to ``rows`` rows."""
     copy = compat.clone_cache(cache)
     if rows > 1:
@@ -77,7 +77,7 @@ def greedy_after_stem(model: nn.Module, tokenizer, cache, stem_length: int, rest
     positions = (stem_length + rest_mask.cumsum(-1) - 1).masked_fill(rest_mask == 0, 1)
     mask = torch.cat([torch.ones(batch, stem_length, dtype=torch.long, device=device), rest_mask], dim=1)
     with torch.inference_mode():
-        rows_cache = _batch_copy(cache, batch)
+        rows_cache = batch_copy(cache, batch)
         out = model(
             inputs_embeds=inputs,
             attention_mask=mask,
@@ -87,6 +87,6 @@ def greedy_after_stem(model: nn.Module, tokenizer, cache, stem_length: int, rest
             **compat.logits_to_keep_kwargs(model, 1),
         )
         token = out.logits[:, -1, :].argmax(dim=-1)
-        ids, _ = _greedy_steps(model, tokenizer, compat.output_cache(out), token, mask, positions[:, -1:],
+        ids, _ = greedy_steps(model, tokenizer, compat.output_cache(out), token, mask, positions[:, -1:],
                                max_new_tokens, stop_at_newline, stops)
     return ids
