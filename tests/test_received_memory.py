@@ -257,6 +257,32 @@ def test_a_memory_whose_projection_is_refused_spends_no_nonce(keyed, monkeypatch
     assert len(keyed.open(wire)) == 1
 
 
+def test_two_threads_opening_one_sealed_wire_get_one_memory(keyed):
+    """The nonce is held from the seal's check on: a concurrent open of the same bytes is a
+    replay even while the first is still projecting, and its refusal releases nothing."""
+    import threading
+
+    wire = sealed(keyed)
+    barrier = threading.Barrier(2)
+    results = []
+
+    def open_it():
+        barrier.wait()
+        try:
+            results.append(keyed.open(wire))
+        except PayloadError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=open_it) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(type(r).__name__ for r in results) == ["PayloadError", "ReceivedMemory"]
+    assert "replayed payload" in str(next(r for r in results if isinstance(r, PayloadError)))
+    assert len(keyed.replay_guard) == 1
+
+
 # ------------------------------------------------------------------------------ bounds
 
 @pytest.fixture

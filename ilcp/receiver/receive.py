@@ -9,6 +9,10 @@ refused); `ilcp.receiver.prefix.receiver_prefix` lays them out before the questi
 training did; `ilcp.receiver.decoding.greedy_decode` answers. Each refusal is one `PayloadError`
 or ValueError line. `ilcp.handoff.ILCPHandoff` is the facade agent code uses.
 
+`Receiver.open_memory` stops before the question: a `ilcp.receiver.memory.ReceivedMemory` that
+answers any number of questions. With a key, a payload's nonce is spent by a call that succeeds,
+once (`Receiver.admitted`); a call refused after the seal was opened releases it.
+
 What a receiver reads: at most ``max_payload_latents`` latents per question, or in all without a
 question count (default: the latents one context gives); latent values within the export's
 ``latent_bound`` (`ilcp.export`); memory vectors that are finite after projection.
@@ -357,9 +361,10 @@ class Receiver:
                 than the LM's context could hold; more than `MAX_RECEIVE_QUESTIONS` questions or
                 more than `MAX_RECEIVE_CHARACTERS` characters together (all refused before any is
                 tokenised); a max_new_tokens or batch_size that is not a positive int, or that with
-                the prompt exceeds the LM's positions. Every argument is checked before a sealed
-                payload is opened, and a refused call spends no nonce: the same bytes can be
-                received again.
+                the prompt exceeds the LM's positions. The questions and settings are checked
+                before a sealed payload is opened (the prompt's length against the shortest a
+                question can have), the exact prompt length once the memory is known; a call
+                refused at any point spends no nonce: the same bytes can be received again.
 
         Several questions about one context: `open_memory` it once and ask it
         (`ilcp.receiver.memory.ReceivedMemory`).
