@@ -183,6 +183,7 @@ def test_reconstruct_and_prefix_equal_the_receiver_s(handoff, no_stops):
     wire = handoff.send(CONTEXT).to_bytes()
     memory = handoff.open(wire)
     assert memory.reconstruct(max_new_tokens=8) == handoff.reconstruct(wire, 8)[0]
+    assert torch.equal(handoff.open(handoff.send(CONTEXT)).vectors, memory.vectors)  # a payload object opens too
     torch.testing.assert_close(memory.prefix(QUESTIONS[0]), handoff.prefixes(wire, [QUESTIONS[0]])[0],
                                rtol=0, atol=0)
 
