@@ -12,10 +12,14 @@
     receiver = ILCPHandoff.from_pretrained("checkpoints/default", lm=lm)
     receiver.receive(wire, "Where is John?")                        # the answer, e.g. "garden"
 
+    memory = receiver.open(wire)            # opened once (a sealed wire's nonce spent once) ...
+    memory.ask("Where is John?"); memory.ask(["Where is Mary?", "Who went first?"])  # ... asked many times
+
 A facade over the protocol's parts: it loads an export (`ilcp.export`), checks that the encoder
 fits the LM, and composes the sending side (`ilcp.encoder.send.Sender`: text -> LM states ->
 latents -> payload) and the receiving side (`ilcp.receiver.receive.Receiver`: bytes -> one checked
-latent -> memory vectors -> prefix -> answer), whose methods it exposes under their own names.
+latent -> memory vectors -> prefix -> answer), whose methods it exposes under their own names;
+`open` is the receiver's `open_memory`, which returns a `ilcp.receiver.memory.ReceivedMemory`.
 
 `save_pretrained` writes the ILCP modules in the export format of `ilcp.export` (config.json +
 model.safetensors, never the frozen LM); `from_pretrained` reads any run directory and refuses an
@@ -284,6 +288,7 @@ class ILCPHandoff:
     request_prefixes = _on("receiver", Receiver.request_prefixes)
     receive = _on("receiver", Receiver.receive)
     reconstruct = _on("receiver", Receiver.reconstruct)
+    open = _on("receiver", Receiver.open_memory)
 
     def __repr__(self) -> str:
         return (f"ILCPHandoff(lm={self.lm.spec!r}, fingerprint={self.fingerprint}, latent_dim={self.latent_dim}, "

@@ -39,6 +39,7 @@ __all__ = [
     "embed_text",
     "greedy_decode",
     "greedy_decode_ids",
+    "greedy_steps",
     "has_line",
     "left_pad",
     "stop_token_ids",
@@ -214,12 +215,12 @@ def _decode_chunk(model, tokenizer, prefixes, max_new_tokens, stop_at_newline, s
     token = out.logits[:, -1, :].argmax(dim=-1)
     token.tolist()  # synchronises with the device: the first token exists now
     prefill_s = time.perf_counter() - start
-    generated, counts = _greedy_steps(model, tokenizer, compat.output_cache(out), token, mask, positions[:, -1:],
+    generated, counts = greedy_steps(model, tokenizer, compat.output_cache(out), token, mask, positions[:, -1:],
                                       max_new_tokens, stop_at_newline, stops)
     return generated, counts, prefill_s, time.perf_counter() - start
 
 
-def _greedy_steps(model, tokenizer, cache, token, mask, position, max_new_tokens, stop_at_newline, stops):
+def greedy_steps(model, tokenizer, cache, token, mask, position, max_new_tokens, stop_at_newline, stops):
     """Greedy decoding after a prefill: ``token`` (B,) is the first generated token, ``cache`` the
     prefill's key/value cache, ``mask`` (B, L) its attention mask and ``position`` (B, 1) the last
     prefilled position of each row.
@@ -320,7 +321,7 @@ def answer_loss_and_greedy(
         cache = compat.output_cache(out)
         compat.crop_cache(cache, width)
         first = logits[:, 0].argmax(dim=-1)
-        ids, _ = _greedy_steps(model, tokenizer, cache, first, mask, positions[:, -1:], max_new_tokens,
+        ids, _ = greedy_steps(model, tokenizer, cache, first, mask, positions[:, -1:], max_new_tokens,
                                stop_at_newline, stop_token_ids(model, tokenizer))
     return loss, [decoded_answer(tokenizer, row, stop_at_newline) for row in ids]
 

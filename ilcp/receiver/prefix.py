@@ -31,7 +31,10 @@ from torch import Tensor, nn
 
 from . import prompts
 
-__all__ = ["MemoryLayout", "ReceiverPrefix", "format_vectors_of", "receiver_prefix"]
+__all__ = ["MemoryLayout", "ReceiverPrefix", "format_vectors_of", "question_stem", "receiver_prefix"]
+
+# Stands for the question while `question_stem` renders the prompt around it.
+_QUESTION_MARK = "\x00QUESTION\x00"
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,26 @@ class ReceiverPrefix:
         if not parts:
             raise ValueError("the receiver prefix is empty")
         return torch.cat(parts, dim=0)
+
+    def rest_after(self, stem: ReceiverPrefix) -> list[int] | None:
+        """The token ids that follow ``stem`` (`question_stem`) in this prefix, or None where this
+        prefix does not start with it or nothing follows it: its segments but the last must be
+        the stem's (the same vectors, the same ids), and its last ids must start with the
+        stem's last ones."""
+        *head, shared = stem.segments
+        if len(self.segments) != len(head) + 1 or not isinstance(shared, list):
+            return None
+        for mine, theirs in zip(self.segments, head):
+            if isinstance(theirs, list):
+                if mine != theirs:
+                    return None
+            elif not (mine is theirs or (isinstance(mine, Tensor) and mine.shape == theirs.shape
+                                         and torch.equal(mine, theirs))):
+                return None
+        last = self.segments[-1]
+        if not isinstance(last, list) or len(last) <= len(shared) or last[:len(shared)] != shared:
+            return None
+        return last[len(shared):]
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -171,3 +194,22 @@ def receiver_prefix(
     start = sum(len(s) if isinstance(s, list) else int(s.shape[0]) for s in segments)
     segments += [memory, prompt]
     return ReceiverPrefix(segments=tuple(segments), memory_span=(start, start + int(memory.shape[0])))
+
+
+def question_stem(tokenizer, *, source, memory: Tensor) -> ReceiverPrefix | None:
+    """What every question's `receiver_prefix(tokenizer, question, source=source, memory=memory)`
+    starts with: its segments up to and including the memory, then the ids of the prompt after
+    the memory that stand before the question, less the last one (which a question's first
+    characters could merge with). `ReceiverPrefix.rest_after` gives a question's own ids after it.
+
+    None where no such part holds the memory: a source that also reads the context text (its
+    prompt holds the context, not the memory), or a prompt that does not render around a question.
+    """
+    if source is None or getattr(source, "reads_context_text", False):
+        return None
+    after = prompts.memory_prompt(tokenizer, _QUESTION_MARK, getattr(source, "placement", "prefix"))[1]
+    if after.count(_QUESTION_MARK) != 1:
+        return None
+    shared = _ids(tokenizer, after.split(_QUESTION_MARK)[0])[:-1]
+    full = receiver_prefix(tokenizer, _QUESTION_MARK, source=source, memory=memory)
+    return ReceiverPrefix(segments=full.segments[:-1] + (shared,), memory_span=full.memory_span)

@@ -9,6 +9,10 @@ refused); `ilcp.receiver.prefix.receiver_prefix` lays them out before the questi
 training did; `ilcp.receiver.decoding.greedy_decode` answers. Each refusal is one `PayloadError`
 or ValueError line. `ilcp.handoff.ILCPHandoff` is the facade agent code uses.
 
+`Receiver.open_memory` stops before the question: a `ilcp.receiver.memory.ReceivedMemory` that
+answers any number of questions. With a key, a payload's nonce is spent by a call that succeeds,
+once (`Receiver.admitted`); a call refused after the seal was opened releases it.
+
 What a receiver reads: at most ``max_payload_latents`` latents per question, or in all without a
 question count (default: the latents one context gives); latent values within the export's
 ``latent_bound`` (`ilcp.export`); memory vectors that are finite after projection.
@@ -17,12 +21,14 @@ question count (default: the latents one context gives); latent values within th
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-from ..checks import positive_int, text_input
+from ..checks import positive_int
 from ..encoder.model import ILCPEncoder
 from ..encoder.spec import EncoderSpec
 from ..lm import LM
@@ -31,15 +37,27 @@ from ..wire.errors import PayloadError
 from ..wire.payload import DEFAULT_MAX_ELEMENTS, TransportPayload, opened, unpack
 from ..wire.seal import ReplayGuard
 from .decoding import greedy_decode
-from .prefix import receiver_prefix
-from .prompts import reconstruction_prompt
+from .memory import ReceivedMemory, reconstructions
+from .prefix import format_vectors_of, question_stem, receiver_prefix
+from .questions import (MAX_RECEIVE_CHARACTERS, MAX_RECEIVE_QUESTIONS, check_room, checked_decoding,
+                        checked_questions)
 
-__all__ = ["MAX_RECEIVE_CHARACTERS", "Receiver", "answers_by_request"]
+__all__ = ["MAX_RECEIVE_CHARACTERS", "MAX_RECEIVE_QUESTIONS", "Receiver", "answers_by_request"]
 
-# Characters of all the questions of one receive together, checked before any is tokenised (each
-# alone is bounded by the LM's positions, `ilcp.checks.text_input`): 1 MiB, as many questions as
-# a long batch asks, far below what would exhaust memory.
-MAX_RECEIVE_CHARACTERS = 1 << 20
+class _Admission:
+    """The sealed payloads one call opened: their nonces are released when the call is refused."""
+
+    def __init__(self, guard: ReplayGuard):
+        self.guard = guard
+        self.envelopes = []
+
+    def check(self, envelope) -> None:
+        self.guard.check(envelope)
+        self.envelopes.append(envelope)
+
+    def release(self) -> None:
+        for envelope in self.envelopes:
+            self.guard.release(envelope)
 
 
 def answers_by_request(answers: Sequence[str], shapes: Sequence[tuple[bool, int]]) -> list[str | list[str]]:
@@ -90,6 +108,38 @@ class Receiver:
         self.auth_key = auth_key
         self.replay_guard = None if auth_key is None else ReplayGuard(max_age, replay_window)
         self.max_payload_latents = max_payload_latents
+        self._calls = threading.local()  # the admission of the call this thread is in, if any
+        self._fewest: tuple[tuple, int] | None = None
+        self.fewest_positions()  # the prompt template read once, while the tokenizer is at hand
+
+    def fewest_positions(self) -> int:
+        """The fewest positions a question's prefix can take: the memory rows of one latent, the
+        prompt around the question and one token of question (a bound checked before a payload
+        is opened; recomputed when the encoder's receiver layout changes)."""
+        fmt = format_vectors_of(self.encoder)
+        key = (self.encoder.placement, self.encoder.num_memory_tokens, None if fmt is None else int(fmt.shape[0]))
+        if self._fewest is None or self._fewest[0] != key:
+            rows = torch.zeros(self.encoder.num_memory_tokens, self.lm.hidden_size)
+            stem = question_stem(self.lm.tokenizer, source=self.encoder, memory=rows)
+            self._fewest = (key, (len(stem) if stem is not None else rows.shape[0]) + 1)
+        return self._fewest[1]
+
+    @contextmanager
+    def admitted(self):
+        """Every sealed payload opened inside the block spends its nonce only if the block ends
+        without an exception: a call refused after the seal was opened (an argument, a shape, a
+        value) leaves the same bytes to be opened again. Blocks nest: the outermost decides."""
+        if self.replay_guard is None or getattr(self._calls, "admission", None) is not None:
+            yield
+            return
+        admission = self._calls.admission = _Admission(self.replay_guard)
+        try:
+            yield
+        except BaseException:
+            admission.release()
+            raise
+        finally:
+            self._calls.admission = None
 
     @property
     def max_length(self) -> int:
@@ -107,8 +157,9 @@ class Receiver:
              contexts: int | None = None) -> Tensor:
         """The received latent z, float32 on this receiver's device, opened and checked once: see
         `parse` for what is refused."""
-        z = unpack(self.read(payload, contexts), self.device, dtype=torch.float32)
-        self._check_values(z)
+        with self.admitted():
+            z = unpack(self.read(payload, contexts), self.device, dtype=torch.float32)
+            self._check_values(z)
         return z
 
     def parse(self, payload: TransportPayload | bytes | bytearray | memoryview, *,
@@ -130,12 +181,18 @@ class Receiver:
                 a receiver with a key, unsealed bytes or objects, a replay, or a payload older
                 than ``max_age``.
         """
-        payload = self.read(payload, contexts)
-        self._check_values(unpack(payload, payload.latent.device, dtype=torch.float32))
+        with self.admitted():
+            payload = self.read(payload, contexts)
+            self._check_values(unpack(payload, payload.latent.device, dtype=torch.float32))
         return payload
 
     def read(self, payload, contexts: int | None) -> TransportPayload:
         """The payload, verified against this LM and its shape against this export (values unchecked)."""
+        if contexts is not None:
+            positive_int("contexts", contexts)
+            if contexts > MAX_RECEIVE_QUESTIONS:
+                raise ValueError(f"{contexts:,} contexts in one call, more than {MAX_RECEIVE_QUESTIONS:,} "
+                                 "(ilcp.receiver.receive.MAX_RECEIVE_QUESTIONS): read them in several calls")
         if isinstance(payload, TransportPayload):
             if self.auth_key is not None:
                 raise PayloadError("payload is not authenticated, but this receiver requires a shared key: hand it "
@@ -146,8 +203,8 @@ class Receiver:
                 )
             self.check_shape(tuple(payload.latent.shape), contexts)
             return payload
-        with opened(payload, max_elements=self._max_elements(contexts), key=self.auth_key,
-                    guard=self.replay_guard) as header:
+        guard = getattr(self._calls, "admission", None) or self.replay_guard
+        with opened(payload, max_elements=self._max_elements(contexts), key=self.auth_key, guard=guard) as header:
             self.check_shape(header.shape, contexts)
             return header.read(expected_fingerprint=self.fingerprint)
 
@@ -218,27 +275,40 @@ class Receiver:
                 export does not read, more latents than ``max_payload_latents``, a value beyond
                 the export's bound), or latents that project to NaN or infinite memory vectors.
         """
-        z = self.open(payload, contexts=contexts)
-        per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
-        if z.dim() == per_context:
-            z = z.unsqueeze(0)
-        with torch.no_grad(), self.compute():
-            memory = self.encoder.memory(z, dtype=self.lm.dtype)
-        if not bool(torch.isfinite(memory).all()):
-            raise PayloadError(f"payload's latents project to non-finite memory vectors (NaN or infinity in "
-                               f"{str(self.lm.dtype).removeprefix('torch.')}): they lie outside what this export's "
-                               "projector reads")
+        with self.admitted():
+            z = self.open(payload, contexts=contexts)
+            per_context = 2 if self.encoder.chunked else 1  # dims of one context's latent
+            if z.dim() == per_context:
+                z = z.unsqueeze(0)
+            with torch.no_grad(), self.compute():
+                memory = self.encoder.memory(z, dtype=self.lm.dtype)
+            if not bool(torch.isfinite(memory).all()):
+                raise PayloadError(f"payload's latents project to non-finite memory vectors (NaN or infinity in "
+                                   f"{str(self.lm.dtype).removeprefix('torch.')}): they lie outside what this "
+                                   "export's projector reads")
         return memory.to(self.lm.device)
+
+    def open_memory(self, payload: TransportPayload | bytes, *, contexts: int | None = None):
+        """A received memory (`ilcp.receiver.memory.ReceivedMemory`): the payload opened, checked
+        and projected once (`memory_vectors`), to be asked any number of questions. A sealed
+        payload's nonce is spent here, once, and only when the open succeeds.
+
+        Raises:
+            PayloadError: what `memory_vectors` refuses.
+            ValueError: ``contexts`` not a positive int (before the payload is opened).
+        """
+        return ReceivedMemory(self, self.memory_vectors(payload, contexts=contexts))
 
     def prefixes(self, payload: TransportPayload | bytes, questions: Sequence[str]) -> list[Tensor]:
         """The receiver's prefixes (L_i, H), one per question and context, in the layout training
         used (`ilcp.receiver.prefix.receiver_prefix`): ``[memory ; question prompt]``, or for a run trained
         with ``handoff.memory_placement=in_prompt`` the cold-read prompt with the memory where the
         context text would stand."""
-        memory = self.memory_vectors(payload, contexts=len(questions))
-        tok = self.lm.tokenizer
-        return [receiver_prefix(tok, q, source=self.encoder, memory=memory[i]).embeds(self.lm.model)
-                for i, q in enumerate(questions)]
+        with self.admitted():
+            memory = self.memory_vectors(payload, contexts=len(questions))
+            tok = self.lm.tokenizer
+            return [receiver_prefix(tok, q, source=self.encoder, memory=memory[i]).embeds(self.lm.model)
+                    for i, q in enumerate(questions)]
 
     def request_prefixes(self, requests, questions_of) -> tuple[list[Tensor], list[tuple[bool, int]]]:
         """Every prefix of many ``(payload, question or questions)`` requests, in order, and each
@@ -254,12 +324,15 @@ class Receiver:
             raise ValueError("requests must be a non-empty list of (payload, question or questions) pairs")
         prefixes: list[Tensor] = []
         shapes: list[tuple[bool, int]] = []
+        checked = []
         for i, request in enumerate(requests):
             if not isinstance(request, (tuple, list)) or len(request) != 2:
                 raise ValueError(f"request {i} must be a (payload, question or questions) pair")
-            single, questions = questions_of(request[1])
-            prefixes.extend(self.prefixes(request[0], questions))
-            shapes.append((single, len(questions)))
+            checked.append((request[0], *questions_of(request[1])))
+        with self.admitted():  # a refused request leaves every payload of the call unspent
+            for payload, single, questions in checked:
+                prefixes.extend(self.prefixes(payload, questions))
+                shapes.append((single, len(questions)))
         return prefixes, shapes
 
     def receive(
@@ -285,35 +358,29 @@ class Receiver:
             PayloadError: invalid or foreign payload, or one that holds another number of
                 latents than questions were given (refused before anything is projected).
             ValueError: a question that is not a string, empty, not valid Unicode, or longer
-                than the LM's context could hold; questions of more than
-                `MAX_RECEIVE_CHARACTERS` characters together (all refused before any is tokenised).
+                than the LM's context could hold; more than `MAX_RECEIVE_QUESTIONS` questions or
+                more than `MAX_RECEIVE_CHARACTERS` characters together (all refused before any is
+                tokenised); a max_new_tokens or batch_size that is not a positive int, or that with
+                the prompt exceeds the LM's positions. The questions and settings are checked
+                before a sealed payload is opened (the prompt's length against the shortest a
+                question can have), the exact prompt length once the memory is known; a call
+                refused at any point spends no nonce: the same bytes can be received again.
+
+        Several questions about one context: `open_memory` it once and ask it
+        (`ilcp.receiver.memory.ReceivedMemory`).
         """
-        single = isinstance(question, str)
-        if not single and (not isinstance(question, Sequence) or isinstance(question, (bytes, bytearray))):
-            raise ValueError(f"question must be a string or a non-empty list of strings, got "
-                             f"{type(question).__name__}")
-        questions = [question] if single else list(question)
-        if not questions or any(not isinstance(q, str) for q in questions):
-            raise ValueError("question must be a string or a non-empty list of strings")
-        if any(not q.strip() for q in questions):
-            raise ValueError("a question must not be empty")
-        for i, q in enumerate(questions):
-            text_input("the question" if single else f"question {i}", q, self.lm.max_positions)
-        total = sum(len(q) for q in questions)
-        if total > MAX_RECEIVE_CHARACTERS:
-            raise ValueError(f"these {len(questions)} questions hold {total:,} characters together, more than "
-                             f"{MAX_RECEIVE_CHARACTERS:,} (ilcp.receiver.receive.MAX_RECEIVE_CHARACTERS): ask them in "
-                             "several calls")
-        positive_int("max_new_tokens", max_new_tokens)
-        prefixes = self.prefixes(payload, questions)
-        limit = getattr(getattr(self.lm.model, "config", None), "max_position_embeddings", None)
-        longest = max(p.shape[0] for p in prefixes)
-        if limit is not None and longest + max_new_tokens > limit:
-            raise ValueError(f"the receiver's prompt ({longest} positions) plus {max_new_tokens} new tokens exceeds "
-                             f"this LM's context of {limit} positions: shorten the question")
-        with self.compute():
-            answers = greedy_decode(self.lm.model, self.lm.tokenizer, prefixes, max_new_tokens=max_new_tokens,
-                                    batch_size=batch_size, stop_at_newline=stop_at_newline)
+        single, questions = checked_questions(question, self.lm.max_positions)
+        checked_decoding(max_new_tokens, batch_size, stop_at_newline)
+        # Before the payload is opened (and before any question is tokenised): the shortest prompt
+        # a question can have must leave room for max_new_tokens; the exact check follows.
+        check_room(self.lm, self.fewest_positions(), max_new_tokens)
+        tok = self.lm.tokenizer
+        with self.admitted():  # a refused call leaves a sealed payload unspent
+            prefixes = self.prefixes(payload, questions)
+            check_room(self.lm, max(p.shape[0] for p in prefixes), max_new_tokens)
+            with self.compute():
+                answers = greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens,
+                                        batch_size=batch_size, stop_at_newline=stop_at_newline)
         return answers[0] if single else answers
 
     def reconstruct(self, payload: TransportPayload | bytes, max_new_tokens: int = 64, *,
@@ -328,11 +395,7 @@ class Receiver:
         Raises:
             PayloadError: what `memory_vectors` refuses, before anything is decoded.
         """
-        positive_int("max_new_tokens", max_new_tokens)
-        memory = self.memory_vectors(payload, contexts=contexts)
-        tok = self.lm.tokenizer
-        instruction = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
-        prefixes = [receiver_prefix(tok, None, memory=memory[i], prompt_ids=instruction).embeds(self.lm.model)
-                    for i in range(memory.shape[0])]
-        with self.compute():
-            return greedy_decode(self.lm.model, tok, prefixes, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        checked_decoding(max_new_tokens, batch_size, False)
+        with self.admitted():
+            return reconstructions(self, self.memory_vectors(payload, contexts=contexts), max_new_tokens, batch_size)
+

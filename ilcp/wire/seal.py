@@ -156,8 +156,10 @@ class ReplayGuard:
     seconds after their creation time (at least ``max_age``, so a replay is refused for as long as
     the original would be accepted), and at most ``max_nonces`` of them: when that many are held,
     the one created first is forgotten and from then on nothing created at or before it is
-    accepted, so memory stays bounded without letting a replay through. Thread-safe; in memory
-    only (a restarted receiver starts with an empty memory, protected by ``max_age`` alone).
+    accepted, so memory stays bounded without letting a replay through. `release(envelope)`
+    forgets a nonce again, for a receiver whose open of it was refused after the check.
+    Thread-safe; in memory only (a restarted receiver starts with an empty memory, protected by
+    ``max_age`` alone).
 
     Args:
         max_age: seconds an envelope is accepted after its creation; None for no limit.
@@ -218,6 +220,19 @@ class ReplayGuard:
                 oldest, nonce = heapq.heappop(self._by_time)
                 self._seen.discard(nonce)
                 self._floor = max(self._floor, oldest)
+
+    def release(self, envelope: Envelope) -> None:
+        """Forget the nonce `check` recorded for ``envelope``, when the open it began was refused
+        afterwards (a shape, a value, or an argument of the call): the same sealed bytes can then
+        be opened again. Until released, the nonce refuses every other open of them, so two
+        concurrent opens never both succeed. Nothing for a nonce not held."""
+        nonce = envelope.nonce
+        with self._lock:
+            if nonce is None or nonce not in self._seen:
+                return
+            self._seen.discard(nonce)
+            self._by_time = [entry for entry in self._by_time if entry[1] != nonce]
+            heapq.heapify(self._by_time)
 
 
 def unseal(data, *, key: bytes | None, guard: ReplayGuard | None = None, max_bytes: int | None = None):
