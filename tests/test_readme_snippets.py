@@ -57,12 +57,6 @@ def _shape(text: str) -> list[str]:
     return lines
 
 
-def test_the_readme_is_one_page_of_short_lines():
-    lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 200
-    assert [i + 1 for i, line in enumerate(lines) if len(line) > 160] == []
-
-
 def test_the_ilcp_snippet_prints_what_the_readme_shows(tiny_run, monkeypatch, tmp_path):
     code = _block("snippet", "ilcp", "python")
     shown = _block("output", "ilcp", "text")
