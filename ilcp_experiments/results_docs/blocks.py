@@ -131,7 +131,8 @@ def served_block(results_dir: Path, link_prefix: str = "") -> str:
     return "\n".join(out)
 
 
-# The README's "your own data and real text" block: (folder, the task it trained on, what it is)
+# The "datasets" block, the default recipe on real text and on every bAbI task (no page holds it
+# now; docs/running.md links the folders): (folder, the task it trained on, what it is)
 DATASET_FOLDERS = (("squad", "squad", "SQuAD v1.1 subset, 506 test questions of 53 articles no other split holds"),
                    ("babi-all", "babi:all", "every shipped bAbI task at once (15 tasks, balanced training rows)"))
 
