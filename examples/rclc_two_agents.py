@@ -17,7 +17,7 @@ Agent X has read some notes; agent Y has only its instructions. Both run their o
 
 Received rows go where the context text of a plain text handoff would sit (in_prompt placement):
 SmolLM2-135M does not read rows placed before a fresh chat prompt. Each answer is printed beside
-the one the notes hold: this small zero-shot receiver is often wrong (README, "Results at a glance").
+the one the notes hold: this small zero-shot receiver is often wrong (README, "Results").
 """
 
 from __future__ import annotations

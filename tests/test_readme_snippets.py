@@ -1,19 +1,21 @@
-"""The README's code snippets, extracted from README.md and run, so they cannot drift from it.
+"""The code snippets of README.md and docs/serving.md, extracted and run, so they cannot drift from
+the pages.
 
 A snippet is the ```python block after ``<!-- snippet: NAME -->``; what it prints is the ```text
 block after ``<!-- output: NAME -->``.
 
-- ``ilcp`` runs against the tiny trained run of this test session (``checkpoints/default`` is
-  replaced by its folder): the README shows what the snippet prints on the float32 default run,
-  which takes minutes to train, so here the output must have the README's shape (the same lines,
-  with this run's numbers and answers). With ``ILCP_README_RUN`` set to a trained default run it
-  must print the README's lines exactly.
-- ``rclc`` needs no trained run: it runs on the embedded SmolLM2 and must print the README's
-  lines exactly.
-- ``vllm`` needs the vLLM environment: here it must compile and name what `ilcp.engines.vllm`
-  exports (tests/vllm runs the same calls on an engine).
-- ``served`` needs a vLLM server: here it must compile and name what `ilcp.engines.served`
-  exports (tests/vllm/test_served.py runs the same calls against a server).
+- ``ilcp`` (README.md) runs against the tiny trained run of this test session
+  (``checkpoints/default`` is replaced by its folder): the README shows what the snippet prints on
+  the float32 default run, which takes minutes to train, so here the output must have the README's
+  shape (the same lines, with this run's numbers and answers). With ``ILCP_README_RUN`` set to a
+  trained default run it must print the README's lines exactly. The receiver opens the wire once
+  and asks the received memory each question.
+- ``rclc`` (README.md) needs no trained run: it runs on the embedded SmolLM2 and must print the
+  README's lines exactly.
+- ``vllm`` (docs/serving.md) needs the vLLM environment: here it must compile and name what
+  `ilcp.engines.vllm` exports (tests/vllm runs the same calls on an engine).
+- ``served`` (docs/serving.md) needs a vLLM server: here it must compile and name what
+  `ilcp.engines.served` exports (tests/vllm/test_served.py runs the same calls against a server).
 """
 
 import ast
@@ -25,14 +27,16 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+SERVING = ROOT / "docs" / "serving.md"
 
 
-def _block(kind: str, name: str, fence: str) -> str:
-    text = README.read_text(encoding="utf-8")
+def _block(kind: str, name: str, fence: str, page: Path = README) -> str:
+    text = page.read_text(encoding="utf-8")
     match = re.search(rf"<!-- {kind}: {name} -->\n```{fence}\n(.*?)```", text, re.S)
     if match is None:
-        raise AssertionError(f"README.md has no {kind} block {name!r}")
+        raise AssertionError(f"{page.relative_to(ROOT)} has no {kind} block {name!r}")
     return match.group(1)
 
 
@@ -58,6 +62,7 @@ def test_the_ilcp_snippet_prints_what_the_readme_shows(tiny_run, monkeypatch, tm
     shown = _block("output", "ilcp", "text")
     run = os.environ.get("ILCP_README_RUN")
     assert '"checkpoints/default"' in code
+    assert "from ilcp import ILCPHandoff, load_lm" in code and ".open(wire)" in code and ".ask(" in code
     printed = _run(code.replace('"checkpoints/default"', repr(str(run or tiny_run.run_dir))), monkeypatch, tmp_path)
     if run:
         assert printed == shown
@@ -74,7 +79,7 @@ def test_the_rclc_snippet_prints_what_the_readme_shows(smollm2, monkeypatch, tmp
 def test_the_vllm_snippet_compiles_and_names_what_the_engine_module_exports():
     import ilcp.engines.vllm as engine
 
-    tree = ast.parse(_block("snippet", "vllm", "python"))
+    tree = ast.parse(_block("snippet", "vllm", "python", SERVING))
     imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names]
     assert ("ilcp.engines.vllm", "VLLMReceiver") in imported
@@ -84,7 +89,7 @@ def test_the_vllm_snippet_compiles_and_names_what_the_engine_module_exports():
 
 
 def test_the_served_snippet_compiles_and_names_what_the_served_module_exports():
-    tree = ast.parse(_block("snippet", "served", "python"))
+    tree = ast.parse(_block("snippet", "served", "python", SERVING))
     imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names]
     assert ("ilcp.engines.served", "ServedReceiver") in imported

@@ -1,4 +1,4 @@
-"""docs/results and the README's results blocks are generated from the JSON files: nothing drifts."""
+"""docs/results and the generated blocks of README.md and docs/*.md are what the JSON files give: nothing drifts."""
 
 import json
 import shutil
@@ -23,6 +23,23 @@ def test_every_figure_of_the_results_at_a_glance_is_read_from_a_results_json():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- results:begin -->")[1].split("<!-- results:end -->")[0]
     assert block.strip() == results_docs.glance_table(ROOT / results_docs.RESULTS_DIR, "docs/results/").strip()
+    # the trained task, a held-out task, real text and a long context, each with the text, ILCP and RCLC
+    tasks = {task: {r["method"].split(":")[0] for r in rows if r["task"] == task} for task in {r["task"] for r in rows}}
+    assert set(tasks) == {"babi:1", "babi:11", "squad", "babilong:1:2k"}
+    for task, methods in tasks.items():
+        assert {"ilcp", "rclc"} <= methods and methods & {"cold_read", "cold_read_tuned"}, task
+    squad = [line for line in block.splitlines() if line.startswith("| SQuAD |")]
+    assert squad and all("| F1 " in line for line in squad)  # SQuAD is scored by F1, the others by exact match
+    assert all("| EM " in line for line in block.splitlines() if line.startswith("| bAbI"))
+
+
+def test_the_docs_pages_hold_the_blocks_moved_out_of_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for page, name in (("long-contexts.md", "babilong"), ("serving.md", "served")):
+        text = (ROOT / "docs" / page).read_text()
+        assert f"<!-- {name}:begin -->" in text and f"<!-- {name}:begin -->" not in readme, page
+        assert f"(docs/{page})" in readme, f"the README does not link docs/{page}"
+    assert "](results/" in (ROOT / "docs" / "long-contexts.md").read_text()  # links relative to docs/
 
 
 def test_every_results_folder_says_how_it_was_made():
@@ -49,8 +66,9 @@ def _eval_result(tasks: dict) -> dict:
 def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_path):
     shutil.copytree(ROOT / "docs" / "results" / "main-float32", tmp_path / "docs" / "results" / "main-float32")
     shutil.copytree(ROOT / "docs" / "results" / "default-rclc", tmp_path / "docs" / "results" / "default-rclc")
-    (tmp_path / "README.md").write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n"
-                                        "<!-- babilong:begin -->\n<!-- babilong:end -->\n")
+    (tmp_path / "README.md").write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n")
+    (tmp_path / "docs" / "long-contexts.md").write_text("# Long\n\n<!-- babilong:begin -->\n<!-- babilong:end -->\n")
+    (tmp_path / "docs" / "plain.md").write_text("# A page without blocks\n")
     new = tmp_path / "docs" / "results" / "babilong-story-4k"
     new.mkdir()
     (new / "results.json").write_text(json.dumps(_eval_result({"ilcp": (0.3, 163), "prompt_tuned": (0.2, 0)})))
@@ -69,11 +87,15 @@ def test_a_folder_the_generator_has_not_seen_is_rendered_and_its_notes_kept(tmp_
     generic = (other / "README.md").read_text()
     assert "| batch | tok_s |" in generic and "| 1 | 313.5 |" in generic and "Command: not recorded." in generic
     top = (tmp_path / "README.md").read_text()
-    assert "[babilong-story-4k](docs/results/babilong-story-4k/README.md)" in top
-    assert "| method | babilong:1:0 (n=10) | babilong:1:1k (n=10) | wire bytes |" in top
+    assert "`rclc:chunkkv:b16`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
+    assert "[default-rclc]: docs/results/default-rclc/README.md" in top  # the README's links start at the root
+    page = (tmp_path / "docs" / "long-contexts.md").read_text()  # a page of docs/ links from docs/
+    assert page.startswith("# Long\n") and "[babilong-story-4k](results/babilong-story-4k/README.md)" in page
+    assert "| method | babilong:1:0 (n=10) | babilong:1:1k (n=10) | wire bytes |" in page
     # exact match with its interval on each task, then the receiver's cost at the longest context
-    assert "at babilong:1:1k" in top and "| `ilcp` | 30.0 [20.0, 40.0] | 30.0 [20.0, 40.0] | 163 | 40 | - / - | - | - |" in top
-    assert "`ilcp`" in top.split("<!-- results:begin -->")[1] and "\nold\n" not in top
+    assert "at babilong:1:1k" in page and "| `ilcp` | 30.0 [20.0, 40.0] | 30.0 [20.0, 40.0] | 163 | 40 | - / - | - | - |" in page
+    assert "babilong" not in top.split("<!-- results:end -->")[1]
+    assert (tmp_path / "docs" / "plain.md").read_text() == "# A page without blocks\n"
     assert (tmp_path / "docs" / "results" / "at_a_glance.png").is_file()
     assert main(["report", "--root", str(tmp_path), "--check"]) == 0
 
@@ -118,7 +140,8 @@ def test_the_babilong_block_keeps_methods_over_lengths_and_grids_rclc_rows(tmp_p
     assert "`rclc:reread:r8` 40.0% exact" in block  # the r8 target reads both 2k folders
     assert "| `kv_relay:cacheback` (cache entries) | - | - | 5.0 [0.0, 15.0] | - | - | - |" in block
     assert "Other recipes: [babilong-1k]" in block
-    short = results_docs.babilong_block(results, "docs/results/", full=False)  # the README's: a link, not the grid
+    # docs/long-contexts.md's block: a link, not the grid
+    short = results_docs.babilong_block(results, "docs/results/", full=False)
     assert "RCLC rows at" not in short and "[babilong.md](docs/results/babilong.md)" in short
     assert "The targets" not in short and "Other recipes" not in short
     assert short.split("\n\n")[:2] == block.replace("](", "](docs/results/").split("\n\n")[:2]

@@ -6,9 +6,10 @@ written there is generated from them:
 - each folder's ``README.md`` (how the measurement was made, the hand-written notes.md, the tables
   and plots), ``results.md`` beside every eval results.json and ``sweep.md`` beside every
   sweep.json, and ``docs/results/README.md``, the index (`folders`);
-- the blocks of the repository's README.md between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``
-  (``results``: the results at a glance; ``babilong``; ``served``; ``datasets``; ``general``), the page
-  ``docs/results/babilong.md`` and the figures (`blocks`);
+- the blocks between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` of the repository's README.md
+  (``results``: the results at a glance) and of the pages of docs/ (``babilong`` in docs/long-contexts.md,
+  ``served`` in docs/serving.md; ``datasets`` and ``general`` wherever a page holds their markers), the
+  pages ``docs/results/babilong.md`` and ``docs/results/general.md`` and the figures (`blocks`);
 - `report`: the list of every generated file (`generated`), the files that differ from it (`stale`,
   which tests/test_results_docs.py asserts is empty), `write` and the command line.
 """

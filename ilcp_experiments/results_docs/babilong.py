@@ -1,4 +1,4 @@
-"""The BABILong blocks of the README and docs/results/babilong.md: the tables over lengths, the RCLC
+"""The BABILong blocks of docs/long-contexts.md and docs/results/babilong.md: the tables over lengths, the RCLC
 grids, the targets and the figures. Each names the folders it reads; a missing folder drops its rows.
 """
 
@@ -14,7 +14,8 @@ from .blocks import receiver_ttft
 from .folders import BABILONG_DOC, experiment_folders, is_eval, json_files, load
 
 BABILONG_PREFIX = "babilong"
-BABILONG_CURRENT = ("babilong-story", "babilong-rclc", "babilong-cold-read-tuned", "babilong-text-tuned")  # in full in the README
+# in full on docs/long-contexts.md
+BABILONG_CURRENT = ("babilong-story", "babilong-rclc", "babilong-cold-read-tuned", "babilong-text-tuned")
 HELDOUT_RUNS = (("babilong-story-heldout", "trained on task 1"),  # folders of held-out tasks 2 and 3 at 2k
                 ("babilong-mix", "trained on tasks 1, 7 and 8"))
 # cold_read_tuned read at length: (folder, how its vectors were trained), every one found is a target's reference
@@ -282,7 +283,7 @@ def babilong_block(results_dir: Path, link_prefix: str = "", *, full: bool = Tru
     """Every folder whose name starts with ``babilong``: those of `BABILONG_CURRENT` as one table of
     exact match per task and method over lengths with the receiver's cost at the longest length,
     the grids of RCLC rows by selector and budget, the targets and the figures; the other folders
-    one line each. Without ``full`` (the README's block): the table and the figures, and a link to
+    one line each. Without ``full`` (docs/long-contexts.md's block): the table and the figures, and a link to
     `BABILONG_DOC` for the grids, the targets and the other folders."""
     folders = [f for f in experiment_folders(results_dir) if f.name.startswith(BABILONG_PREFIX)]
     if not folders:

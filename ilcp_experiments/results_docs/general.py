@@ -1,5 +1,5 @@
-"""The block of the question-blind handoff (configs/general.yaml) in the README and its figures: one
-run's eval over its trained and held-out tasks, with other handoffs read on the same questions.
+"""The block of the question-blind handoff (configs/general.yaml) in docs/results/general.md and its
+figures: one run's eval over its trained and held-out tasks, with other handoffs read on the same questions.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Every generated text file of the repository and the command that writes or checks them:
-``python -m ilcp_experiments report [--check]``."""
+``python -m ilcp_experiments report [--check]``. Besides docs/results, the generated blocks of the
+README (the results at a glance) and of the pages of docs/ (docs/long-contexts.md: BABILong;
+docs/serving.md: the served receivers under load) are written between their markers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,6 +16,33 @@ from .blocks import datasets_block, draw_at_a_glance, glance_table, served_block
 from .general import draw_general, general_block
 from .folders import (BABILONG_DOC, GENERAL_DOC, GENERATED, INDEX, RESULTS_DIR, companion_files, experiment_folders, folder_readme,
                       index, replace_block)
+
+# The generated blocks a hand-written page may hold between <!-- NAME:begin --> and <!-- NAME:end -->,
+# by name: each renders from docs/results and the links' prefix from that page to docs/results.
+BLOCKS = {
+    "results": glance_table,  # the README's results at a glance
+    "babilong": lambda results_dir, prefix: babilong_block(results_dir, prefix, full=False),  # docs/long-contexts.md
+    "served": served_block,  # docs/serving.md
+    "datasets": datasets_block,
+    "general": general_block,
+}
+# The pages that hold blocks: the README (it must hold the results block) and the pages of docs/.
+README = "README.md"
+PAGES_DIR = "docs"
+
+
+def fill_blocks(text: str, results_dir: Path, link_prefix: str, *, required: tuple[str, ...] = ()) -> str:
+    """``text`` with every block of `BLOCKS` whose markers it holds regenerated; a missing block of
+    ``required`` raises ValueError (`replace_block`)."""
+    for name, render in BLOCKS.items():
+        if name in required or f"<!-- {name}:begin -->" in text:
+            text = replace_block(text, name, render(results_dir, link_prefix))
+    return text
+
+
+def _link_prefix(page: Path, results_dir: Path) -> str:
+    return Path(os.path.relpath(results_dir, page.parent)).as_posix() + "/"
+
 
 def generated(root: Path) -> dict[Path, str]:
     """Every generated text file under ``root`` (the repository) and its content."""
@@ -28,19 +58,14 @@ def generated(root: Path) -> dict[Path, str]:
     out[results_dir / GENERAL_DOC] = ("# The question-blind handoff (configs/general.yaml) beside the others, on its "
                                       "questions\n\n" + GENERATED.replace("of this folder", "of the folders linked below")
                                       + "\n\n" + general_block(results_dir) + "\n")
-    readme = root / "README.md"
-    if readme.is_file():
-        prefix = RESULTS_DIR.as_posix() + "/"
-        text = readme.read_text(encoding="utf-8")
-        text = replace_block(text, "results", glance_table(results_dir, prefix))
-        text = replace_block(text, "babilong", babilong_block(results_dir, prefix, full=False))
-        if "<!-- served:begin -->" in text:
-            text = replace_block(text, "served", served_block(results_dir, prefix))
-        if "<!-- datasets:begin -->" in text:
-            text = replace_block(text, "datasets", datasets_block(results_dir, prefix))
-        if "<!-- general:begin -->" in text:
-            text = replace_block(text, "general", general_block(results_dir, prefix))
-        out[readme] = text
+    readme = root / README
+    pages = [readme] if readme.is_file() else []
+    pages += sorted((root / PAGES_DIR).glob("*.md"))
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        if page == readme or any(f"<!-- {name}:begin -->" in text for name in BLOCKS):
+            out[page] = fill_blocks(text, results_dir, _link_prefix(page, results_dir),
+                                    required=("results",) if page == readme else ())
     return out
 
 
@@ -70,7 +95,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ilcp_experiments report",
         description="Regenerate docs/results/*/README.md (and results.md, sweep.md), docs/results/README.md, "
-                    "the README's generated blocks and its figure from the JSON files under docs/results.")
+                    "the generated blocks of README.md and docs/*.md and the figures from the JSON files under "
+                    "docs/results.")
     parser.add_argument("--root", default=".", help="the repository (default: the current folder)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; list the generated files that differ and exit 1 if any does")

@@ -169,22 +169,21 @@ def test_rclc_rows_answer_as_in_process(server, tiny_engine, tiny_vllm_lm, tiny_
     assert decoder.answer(popped[0]) == local.decode(rows[:1], max_new_tokens=8)[0]
 
 
-def _readme_snippet(name: str) -> str:
-    """The README's ```python block after ``<!-- snippet: NAME -->``."""
-    text = (ROOT / "README.md").read_text()
+def _serving_snippet(name: str) -> str:
+    """docs/serving.md's ```python block after ``<!-- snippet: NAME -->``."""
+    text = (ROOT / "docs" / "serving.md").read_text()
     start = text.index("```python\n", text.index(f"<!-- snippet: {name} -->")) + len("```python\n")
     return text[start:text.index("```\n", start)]
 
 
-def test_the_readmes_served_snippet_runs_against_the_server(server, tiny_vllm_run, tiny_handoff, local_engine,
-                                                             capsys):
-    """The README's served snippet, whole, with the test run and this server in place of its run
+def test_the_served_snippet_runs_against_the_server(server, tiny_vllm_run, tiny_handoff, local_engine, capsys):
+    """docs/serving.md's served snippet, whole, with the test run and this server in place of its run
     folder and URL: it prints the ILCP answer and the RCLC answer the in-process engine gives."""
-    code = _readme_snippet("served")
+    code = _serving_snippet("served")
     assert code.count('"checkpoints/default"') == 1 and code.count('"http://127.0.0.1:8000/v1"') == 1
     code = code.replace('"checkpoints/default"', repr(str(tiny_vllm_run)))
     code = code.replace('"http://127.0.0.1:8000/v1"', repr(server.url))
-    exec(compile(code, "README.md served snippet", "exec"), {"__name__": "readme_snippet"})
+    exec(compile(code, "docs/serving.md served snippet", "exec"), {"__name__": "serving_snippet"})
     printed = capsys.readouterr().out.splitlines()
     local = VLLMReceiver(tiny_handoff, local_engine)
     story = "Mary moved to the hallway. John went to the garden."
