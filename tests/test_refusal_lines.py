@@ -163,7 +163,7 @@ def test_a_link_to_nothing_as_the_task_file_names_its_target(tmp_path):
 def test_sealed_bytes_over_what_the_questions_take_name_questions_and_latents(tiny_run, tiny_lm):
     sender = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key=KEY)
     receiver = ILCPHandoff.from_pretrained(tiny_run.run_dir, lm=tiny_lm, auth_key=KEY)
-    contexts = [f"John went to room {i}." for i in range(3)]
+    contexts = [f"John went to room {i}." for i in range(8)]
     wire = sender.to_wire(sender.send(contexts))
     with pytest.raises(PayloadError) as caught:
         receiver.receive(wire, "Where is John?", max_new_tokens=2)
@@ -173,8 +173,8 @@ def test_sealed_bytes_over_what_the_questions_take_name_questions_and_latents(ti
                   "pass one question per context"):
         assert words in message, (words, message)
     # the same bytes with a question per context: refused nothing, spent nothing above
-    answers = receiver.receive(wire, ["Where is John?"] * 3, max_new_tokens=2)
-    assert len(answers) == 3
+    answers = receiver.receive(wire, ["Where is John?"] * 8, max_new_tokens=2)
+    assert len(answers) == 8
 
 
 def test_sealed_bytes_over_max_elements_name_it(tmp_path):
