@@ -248,7 +248,8 @@ def _load_smollm2(cache: Path, dtype: torch.dtype):
     target = cache / "models" / f"smollm2-135m-instruct-{SMOLLM2_VERSION}"
     if not (target / "config.json").is_file():
         try:  # before the conversion's 15 s, not after it
-            make_folder(target.parent, f"the converted {DEFAULT_LM}", f"lm.cache_dir (load_lm's cache_dir, ${CACHE_ENV})")
+            make_folder(target.parent, f"the converted {DEFAULT_LM}",
+                        f"lm.cache_dir (load_lm's cache_dir, ${CACHE_ENV})")
         except ValueError as e:
             raise LMLoadError(str(e)) from None
         _convert_gguf(gguf, target)

