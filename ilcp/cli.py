@@ -124,9 +124,17 @@ def setup_logging() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is its one ``PROG: error: ...`` line, without the usage
+    block above it (``--help`` prints that)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def train_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ilcp-train", description=TRAIN_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="ilcp-train", description=TRAIN_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue the run from its last checkpoints")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
@@ -242,8 +250,8 @@ def _ints(text: str) -> list[int]:
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ilcp-eval", description=eval_help(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="ilcp-eval", description=eval_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="the run directory written by train.py (checkpoints/RUN)")
     parser.add_argument("--tasks", type=_task_names, default=[],
                         help="extra tasks, comma-separated: babi:N, babi:all (each shipped task, reported one by one), "

@@ -32,3 +32,24 @@ def default_cache_dir() -> Path:
     ``~/.cache/ilcp``."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ilcp"
+
+
+def make_folder(folder: Path, what: str, setting: str) -> None:
+    """Make ``folder`` and its parents; ValueError in one line when a file or a link that leads
+    nowhere stands where one of them goes, naming it, ``what`` needs the folder for, and
+    ``setting``, the setting that moves it."""
+    for part in (folder, *folder.parents):
+        if part.is_symlink() and not part.exists():
+            raise ValueError(f"{what} needs the folder {folder}, but {part} is a symbolic link to {os.readlink(part)}, "
+                             f"which does not exist: remove the link or make its target, or set {setting} to another "
+                             "folder")
+        if part.exists():
+            if not part.is_dir():
+                raise ValueError(f"{what} needs the folder {folder}, but {part} is a file: move it away or set "
+                                 f"{setting} to another folder")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what} cannot make the folder {folder} ({e.strerror}): set {setting} to a folder this "
+                         "user can write") from None

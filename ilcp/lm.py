@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .datadir import CACHE_ENV, default_cache_dir  # noqa: F401  (re-exported: where the caches live)
+from .datadir import make_folder
 from .names import DEFAULT_LM
 
 TINY_LM = "tiny-qwen3"
@@ -246,6 +247,11 @@ def _load_smollm2(cache: Path, dtype: torch.dtype):
     gguf = smollm2_gguf_path()
     target = cache / "models" / f"smollm2-135m-instruct-{SMOLLM2_VERSION}"
     if not (target / "config.json").is_file():
+        try:  # before the conversion's 15 s, not after it
+            make_folder(target.parent, f"the converted {DEFAULT_LM}",
+                        f"lm.cache_dir (load_lm's cache_dir, ${CACHE_ENV})")
+        except ValueError as e:
+            raise LMLoadError(str(e)) from None
         _convert_gguf(gguf, target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -204,7 +204,8 @@ class Receiver:
             self.check_shape(tuple(payload.latent.shape), contexts)
             return payload
         guard = getattr(self._calls, "admission", None) or self.replay_guard
-        with opened(payload, max_elements=self._max_elements(contexts), key=self.auth_key, guard=guard) as header:
+        with opened(payload, max_elements=self._max_elements(contexts), key=self.auth_key, guard=guard,
+                    limit=self._limit(contexts)) as header:
             self.check_shape(header.shape, contexts)
             return header.read(expected_fingerprint=self.fingerprint)
 
@@ -229,6 +230,15 @@ class Receiver:
         if contexts is None:
             return DEFAULT_MAX_ELEMENTS
         return max(1, contexts) * self.max_chunks * self.latent_dim
+
+    def _limit(self, contexts: int | None) -> str:
+        """What `_max_elements` stands for, with the fix: the end of the refusal of longer sealed bytes."""
+        if contexts is None:
+            return (f"that {DEFAULT_MAX_ELEMENTS} latent values can take (latents of {self.latent_dim} values, no "
+                    "question count): pass contexts= the number of contexts it holds")
+        return (f"that {contexts} question(s) can take (at most {self.max_chunks} latent(s) of {self.latent_dim} "
+                f"values per question, from contexts of at most {self.max_length} tokens): it holds more contexts "
+                "than questions, or another export's latents; pass one question per context it holds")
 
     def check_shape(self, shape: tuple[int, ...], contexts: int | None) -> None:
         """Refuse a latent shape this receiver does not read: it reads (Z,) or (B, Z), or per chunk

@@ -11,7 +11,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import csv
+import errno
 import json
+import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +30,12 @@ FORMATS = {"jsonl": "json", "csv": "csv", "parquet": "parquet", "disk": None}
 
 @contextlib.contextmanager
 def _quiet():
-    """No progress bars or info logs from `datasets` while a small file is read."""
+    """No progress bars or logs from `datasets` while a small file is read: its own error lines
+    ("Failed to read file ...") too, since a file that does not read is refused in one line."""
     bars = datasets.is_progress_bar_enabled()
     level = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
@@ -45,13 +48,19 @@ def check_exists(fmt: str, path: Path) -> None:
     """A TaskFormatError naming `path` unless it is what `fmt` reads: a folder for ``disk``, else a
     regular file (not a FIFO, a device or a link to one, which would block or never end)."""
     if fmt == "disk":
-        if not path.is_dir():
+        try:
+            is_folder = stat.S_ISDIR(path.stat().st_mode)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise TaskFormatError(f"{path}: {_unreachable(path, e, 'folder')}") from None
+            is_folder = False
+        if not is_folder:
             raise TaskFormatError(f"{path}: no such folder (disk: reads a folder written by datasets' save_to_disk)")
         return
     try:
         mode = path.stat().st_mode
-    except OSError:
-        raise TaskFormatError(f"{path}: no such file") from None
+    except OSError as e:
+        raise TaskFormatError(f"{path}: {_unreachable(path, e)}") from None
     if stat.S_ISDIR(mode):
         raise TaskFormatError(f"{path}: no such file (it is a folder)")
     if not stat.S_ISREG(mode):
@@ -59,6 +68,16 @@ def check_exists(fmt: str, path: Path) -> None:
             "not a regular file"
         raise TaskFormatError(f"{path}: {kind}{' (through a link)' if path.is_symlink() else ''}; a file task reads "
                               "a regular file: copy the rows into one")
+
+
+def _unreachable(path: Path, error: OSError, what: str = "file") -> str:
+    """Why a task path cannot be reached, with the fix: a link loop, a link to nothing, no file."""
+    if error.errno == errno.ELOOP:
+        return (f"a symbolic link that leads back to itself (a link loop): point the link at the {what}, or pass "
+                f"the {what}")
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}, which does not exist: point the link at the {what}"
+    return f"no such {what}"
 
 
 BOM = codecs.BOM_UTF8
@@ -88,6 +107,20 @@ def _check_text(fmt: str, path: Path) -> bool:
     return head == BOM
 
 
+def _check_parquet_rows(path: Path) -> None:
+    """Refuse a Parquet file whose footer counts no row, in one line naming it (a footer that does
+    not read is left to `datasets`, whose error `_read_error` names)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except Exception:  # noqa: BLE001  pyarrow raises several kinds for a file that is not Parquet
+        return
+    if metadata.num_rows == 0:
+        raise TaskFormatError(f"{path}: no rows (a Parquet file of {metadata.num_columns} column(s) and 0 rows): "
+                              "write the rows into it")
+
+
 def _without_bom(path: Path) -> Path:
     """A copy of a UTF-8 file without its byte-order mark, in the cache under its content hash."""
     out = default_cache_dir() / "tasks" / f"{file_sha256(path)}-nobom" / path.name
@@ -115,6 +148,8 @@ def read_file(fmt: str, path: Path, list_columns: tuple[str, ...] = ()) -> datas
     shown = path  # what a message names: the user's file, never a copy read in its place
     if fmt in ("jsonl", "csv") and _check_text(fmt, path):
         path = _without_bom(path)
+    if fmt == "parquet":
+        _check_parquet_rows(path)
     try:
         with _quiet():
             if fmt == "disk":
@@ -195,11 +230,35 @@ def _read_error(fmt: str, path: Path, error: Exception, shown: Path) -> str:
     if fmt == "jsonl":
         for _ in _json_lines(path, shown):  # TaskFormatError at the first line that is not a JSON object
             pass
+    if fmt == "csv":
+        ragged = _ragged_csv_record(path, shown)
+        if ragged:
+            return ragged
     cause = error.__cause__ or error.__context__ or error
     what = " ".join(str(cause).split())[:200] or type(cause).__name__
     kind = {"disk": "a folder written by datasets' save_to_disk", "jsonl": "JSON Lines", "csv": "CSV",
             "parquet": "Parquet"}[fmt]
     return f"{shown}: not readable as {kind}: {what}"
+
+
+def _ragged_csv_record(path: Path, shown: Path) -> str | None:
+    """A one-line refusal naming the first CSV record with more fields than the header line, or
+    the first quote that does not close; None when neither is found."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        reader = csv.reader(handle, strict=True)
+        start = 1
+        try:
+            header = next(reader, None) or []
+            start = reader.line_num + 1
+            for record in reader:
+                if len(record) > len(header):
+                    return (f"{shown}, line {start}: {len(record)} fields where the header line has {len(header)}: "
+                            'put a field that holds a comma in double quotes ("a, b")')
+                start = reader.line_num + 1
+        except csv.Error as e:
+            return (f"{shown}, line {start}: not readable as CSV ({e}): close every double quote, and write a quote "
+                    'inside a quoted field as two ("")')
+    return None
 
 
 def _line_numbers(fmt: str, path: Path, n_rows: int) -> list[int] | None:

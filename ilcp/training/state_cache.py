@@ -108,6 +108,22 @@ def process_start(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 and fields[19].isdigit() else None
 
 
+def _changed_before_start(folder: Path, pid: int) -> bool:
+    """Whether ``folder`` was last changed before process ``pid`` started (False where /proc cannot
+    tell): a writer changes its folder after it starts, so such a folder is another process's."""
+    ticks = process_start(pid)
+    try:
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        changed = folder.stat().st_mtime
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    if ticks is None:
+        return False
+    # btime is whole seconds: a start computed from it may be up to a second early
+    return changed < boot + int(ticks) / os.sysconf("SC_CLK_TCK") - 1
+
+
 def writer_folder(path: Path) -> Path:
     """The folder this process writes ``path`` in: ``.NAME.PID-START.partial`` (START as
     `process_start` gives it, absent where it cannot be read)."""
@@ -117,13 +133,17 @@ def writer_folder(path: Path) -> Path:
 
 def clear_dead_writers(path: Path) -> None:
     """The folders that killed extractions of ``path`` left (``.NAME.PID[-START].partial``): those
-    whose process is gone, or whose pid now belongs to a process that started at another time."""
+    whose process is gone, or whose pid now belongs to a process that started at another time (for
+    the old form without START: a process that started after the folder last changed)."""
     for folder in path.parent.glob(f".{path.name}.*.partial"):
         pid, _, start = folder.name[len(path.name) + 2:-len(".partial")].partition("-")
         if not pid.isdigit():
             continue
         alive = _pid_alive(int(pid))
-        reused = alive and start.isdigit() and process_start(int(pid)) not in (None, start)
+        if start.isdigit():
+            reused = alive and process_start(int(pid)) not in (None, start)
+        else:  # the old form, without a start: a folder last changed before its pid's process began is not its own
+            reused = alive and _changed_before_start(folder, int(pid))
         if not alive or reused:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -388,18 +388,20 @@ def _read_header(data: memoryview, max_elements: int) -> WireHeader:
 
 @contextmanager
 def opened(data, *, max_elements: int = DEFAULT_MAX_ELEMENTS, key: bytes | None = None,
-           guard: ReplayGuard | None = None) -> Iterator[WireHeader]:
+           guard: ReplayGuard | None = None, limit: str | None = None) -> Iterator[WireHeader]:
     """What arrived, opened (unsealed with ``key``, `ilcp.wire.seal.unseal`) and its header read:
     ``with opened(data, key=k) as header: check(header.shape); payload = header.read()``. The
     caller checks the declared shape before anything proportional to it is read; the buffer is
-    read in place and released on leaving the block.
+    read in place and released on leaving the block. ``limit``: what ``max_elements`` stands for,
+    with the fix, in the refusal of sealed bytes longer than any payload within it.
 
     Raises:
         PayloadError: what `unseal` refuses; not bytes-like; a header that does not read.
         ValueError: ``max_elements`` is not a positive int.
     """
     positive_int("max_elements", max_elements)
-    data = unseal(data, key=key, guard=guard, max_bytes=_max_wire_bytes(max_elements) + 64)
+    limit = limit or f"that max_elements={max_elements} latent values can take: raise max_elements to read it"
+    data = unseal(data, key=key, guard=guard, max_bytes=_max_wire_bytes(max_elements) + 64, limit=limit)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"payload must be bytes-like, got {type(data).__name__}")
     try:

@@ -235,12 +235,15 @@ class ReplayGuard:
             heapq.heapify(self._by_time)
 
 
-def unseal(data, *, key: bytes | None, guard: ReplayGuard | None = None, max_bytes: int | None = None):
+def unseal(data, *, key: bytes | None, guard: ReplayGuard | None = None, max_bytes: int | None = None,
+           limit: str = "this receiver accepts"):
     """The payload bytes of what arrived: with ``key``, the inside of its envelope once the tag
     verifies and ``guard`` (if any) accepts it; without a key, ``data`` itself, refused if sealed.
 
     Args:
         max_bytes: sealed bytes longer than this are refused before the tag is computed.
+        limit: what ``max_bytes`` stands for, with the fix, in that refusal ("... exceeds the N
+            bytes {limit}").
 
     Raises:
         PayloadError: an unreadable buffer, sealed bytes over ``max_bytes``, what `open_envelope`
@@ -255,7 +258,7 @@ def unseal(data, *, key: bytes | None, guard: ReplayGuard | None = None, max_byt
     except (ValueError, TypeError, BufferError) as e:
         raise PayloadError(f"payload buffer is unreadable: {e}") from None
     if max_bytes is not None and size > max_bytes:
-        raise PayloadError(f"payload of {size} bytes exceeds the limit of {max_bytes} bytes")
+        raise PayloadError(f"sealed payload of {size} bytes exceeds the {max_bytes} bytes {limit}")
     envelope = open_envelope(data, key)
     if guard is not None:
         guard.check(envelope)
