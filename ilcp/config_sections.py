@@ -13,8 +13,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from .names import DEFAULT_LM, DEFAULT_SELECTOR, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS, pooling_kinds
-from .receiver.prompts import MEMORY_PLACEMENTS
+from .names import (DEFAULT_LM, DEFAULT_SELECTOR, MEMORY_PLACEMENTS, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS,
+                    pooling_kinds)
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for

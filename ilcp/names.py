@@ -63,6 +63,10 @@ def pooling_kinds() -> tuple[str, ...]:
     return tuple(dict.fromkeys(p for entry in MEMORY_KINDS.values() for p in entry.pooling_kinds))
 
 
+# where the receiver reads the memory vectors (ilcp.receiver.prompts.memory_prompt): read by the
+# sender's encoder, the export spec and the receiver alike
+MEMORY_PLACEMENTS = ("prefix", "in_prompt")
+
 VOCABULARY_SNAPS = ("none", "soft", "hard")
 SNAP_METRICS = ("cosine", "dot")  # how a snap scores the embedding rows (and the token loss its logits)
 

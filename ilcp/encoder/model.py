@@ -31,10 +31,9 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
-from ..names import SNAP_METRICS, VOCABULARY_SNAPS
+from ..names import MEMORY_PLACEMENTS, SNAP_METRICS, VOCABULARY_SNAPS
 from .pooling import ConcatPooler, Pooler, pool_states, pool_units, split_chunks
 from .projector import GatedLatentToMemoryProjector
-from ..receiver.prompts import MEMORY_PLACEMENTS
 
 
 class ILCPEncoder(nn.Module):

@@ -24,9 +24,8 @@ import torch
 from .compressor import BetaVAE
 from .model import FormatPrompt, ILCPEncoder
 from .kinds import MemoryKind, config_value, memory_kind_for, memory_kind_of
-from ..names import SNAP_METRICS, VOCABULARY_SNAPS
+from ..names import MEMORY_PLACEMENTS, SNAP_METRICS, VOCABULARY_SNAPS
 from .projector import GatedLatentToMemoryProjector
-from ..receiver.prompts import MEMORY_PLACEMENTS
 
 __all__ = ["MAX_PARAMETERS", "EncoderSpec", "ExportError", "NORMALISATION"]
 

@@ -156,7 +156,7 @@ class HandoffModule(L.LightningModule):
         cfg: stage-2 settings.
         val_decode_size: validation rows (the first ones) decoded for exact match.
         selected: for selection_tuned, the prompt token IDs of each ``(context, question)``
-            (`ilcp.receiver.rclc_prompts.selection_prompt_ids`), which replace the cold-read
+            (`ilcp.selection_prompts.selection_prompt_ids`), which replace the cold-read
             prompt of a source that reads the context; None: the context text.
         teacher: the distillation teacher's vectors (cold_read_tuned's, frozen), read in front of
             the text; None: the plain cold read.
@@ -413,7 +413,7 @@ def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dic
     """selection_tuned's prompts for every training and validation row, computed once for the
     stage and kept in memory: each distinct context prefilled once by the RCLC sender, then
     ``cfg.selection_selector`` at ``r<cfg.selection_ratio>`` for each of its questions."""
-    from ..receiver.rclc_prompts import selection_prompt_ids  # the eval row's framing and selection
+    from ..selection_prompts import selection_prompt_ids  # the eval row's framing and selection
 
     t0 = time.perf_counter()
     rows = list(data.train.rows) + list(data.val.rows)
