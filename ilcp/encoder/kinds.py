@@ -163,10 +163,6 @@ class MemoryKind:
 
     # ------------------------------------------------------------------ config.json and the card
 
-    @classmethod
-    def settings_of(cls) -> list:
-        return declared(cls)
-
     def entries(self) -> dict:
         """This kind's entries of config.json's ``pooling`` object ("kind" and its exported settings)."""
         out, written = {"kind": self.kind}, set()
@@ -216,7 +212,7 @@ class MemoryKind:
         differs (``compressor.init_from``): the kind itself, or its compared settings."""
         if type(other) is not type(self):
             return {f"{prefix}kind": (self.kind, other.kind),
-                    **{f"{prefix}{k}": (None, v) for k, v in other.entries().items() if k != "kind"}}
+                    **{f"{prefix}{k}": (None, v) for k, v in other.settings().items() if k != "kind"}}
         return {f"{prefix}{f.name}": (getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
                 if f.compare and getattr(self, f.name) != getattr(other, f.name)}
 
@@ -371,8 +367,8 @@ class MeanMemory(MemoryKind):
 
     kind: ClassVar[str] = "mean"
 
-    chunk_tokens: int = setting(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
-                                   "payload grows with the context (0 = one latent per context, the spec)",
+    chunk_tokens: int = setting(0, "one latent per chunk of this many context tokens, each through the same VAE, "
+                                   "so the payload grows with the context (0 = one latent per context, the spec)",
                                 minimum=0, maximum=MAX_COUNT, omit_default=True)
 
     @property
@@ -403,8 +399,8 @@ class AttentionMemory(MemoryKind):
         return self.pool_queries if self.chunk_tokens == 0 else 0
 
     def check_run(self, cfg) -> None:
-        if ("ilcp" in cfg.handoff.variants and not (cfg.handoff.finetune_encoder or cfg.compressor.answer_head_weight > 0
-                                                    or cfg.reconstruct.enabled)):
+        taught = cfg.handoff.finetune_encoder or cfg.compressor.answer_head_weight > 0 or cfg.reconstruct.enabled
+        if "ilcp" in cfg.handoff.variants and not taught:
             raise ValueError("compressor.memory.kind=attention needs handoff.finetune_encoder=true, "
                              "compressor.answer_head_weight > 0 or reconstruct.steps > 0 (nothing else teaches the "
                              "pooler's queries)")

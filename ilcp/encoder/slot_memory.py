@@ -84,9 +84,9 @@ class SlotMemory(MemoryKind):
 
     def check_run(self, cfg) -> None:
         if not (cfg.handoff.finetune_encoder or cfg.reconstruct.enabled or cfg.compressor.init_from):
-            raise ValueError("compressor.memory.kind=slots trains the slots and the VAE in stage 2 unless a pretraining "
-                             "stage (reconstruct.steps > 0) or compressor.init_from trained them: it needs "
-                             "handoff.finetune_encoder=true")
+            raise ValueError("compressor.memory.kind=slots trains the slots and the VAE in stage 2 unless a "
+                             "pretraining stage (reconstruct.steps > 0) or compressor.init_from trained them: it "
+                             "needs handoff.finetune_encoder=true")
 
     def start(self, cfg, lm, train) -> SlotEncoder:
         """Memory slots start untrained (each at a random row of the LM's embedding table) and learn
