@@ -14,7 +14,7 @@ from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
-from ilcp.encoder.kinds import AttentionMemory, MeanMemory
+from ilcp.encoder.kinds import MeanMemory
 from ilcp.receiver.prompts import question_prompt
 from ilcp.training import train
 from ilcp.training.extraction import pooled_states, token_states

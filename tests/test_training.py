@@ -10,7 +10,7 @@ from ilcp import training
 from ilcp.config import TrainConfig, load_config
 from ilcp.export import ExportError, check_fingerprint, read_export
 from ilcp.encoder.model import ILCPEncoder
-from ilcp.encoder.kinds import AttentionMemory, MeanMemory
+from ilcp.encoder.kinds import AttentionMemory
 from ilcp.training import HandoffModule, make_memory_source, train
 
 REPO = Path(__file__).resolve().parent.parent

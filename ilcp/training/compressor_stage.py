@@ -32,7 +32,7 @@ from ..config_sections import CompressorConfig
 from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
 from ..encoder.pooling import AttentionPooler
-from .data import HandoffRows, collate_rows, pooled_rows, row_loader, sender_max_length
+from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
 from .losses import LossTerm, compressor_terms, weighted_sum
 from .log import ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts, prepare_stage_log, say
