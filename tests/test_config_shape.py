@@ -14,7 +14,7 @@ from ilcp.encoder.kinds import AttentionMemory, CodecMemory, MeanMemory, legacy_
 from ilcp.encoder.slot_memory import SlotMemory
 from ilcp.encoder.spec import EncoderSpec
 from ilcp.export import read_export
-from ilcp.training.pipeline import _check_resumed_settings
+from ilcp.training.pipeline import check_resumed_settings
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -44,7 +44,7 @@ def test_the_new_shape_round_trips_through_the_saved_config(tmp_path):
         save_config(cfg, tmp_path / "train_config.yaml")
         again = load_config(tmp_path / "train_config.yaml")
         assert again.compressor.memory == cfg.compressor.memory and again.to_dict() == cfg.to_dict()
-        assert _check_resumed_settings(cfg, tmp_path / "train_config.yaml") == {}
+        assert check_resumed_settings(cfg, tmp_path / "train_config.yaml") == {}
 
 
 def test_a_run_saved_in_the_old_shape_resumes(tmp_path):
@@ -55,10 +55,10 @@ def test_a_run_saved_in_the_old_shape_resumes(tmp_path):
     old["compressor"].update(pooling="slots", pool_queries=4, chunk_tokens=0, tokens_per_slot=16, min_slots=1,
                              max_slots=12, slot_adapter_rank=0, slot_adapter_targets=memory["adapter_targets"])
     (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
-    assert _check_resumed_settings(cfg, tmp_path / "train_config.yaml") == {}
+    assert check_resumed_settings(cfg, tmp_path / "train_config.yaml") == {}
     changed = load_config(TINY, ["compressor.memory.kind=slots", "compressor.answer_head_weight=0"])
     with pytest.raises(ValueError, match="compressor.memory.max_slots: 12 -> 64"):
-        _check_resumed_settings(changed, tmp_path / "train_config.yaml")
+        check_resumed_settings(changed, tmp_path / "train_config.yaml")
 
 
 @pytest.mark.parametrize("old, kind", [

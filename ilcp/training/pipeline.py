@@ -112,7 +112,7 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last
     """Refuse, writing nothing: an out_dir that is a file, an existing run unless resumed or
     overwritten, a folder that is not a run, --resume where there is no run, changed settings on
     resume, an unfinished stage's last.ckpt that cannot be read (unless discarded). Returns the
-    raised step budgets a resume records (`_check_resumed_settings`)."""
+    raised step budgets a resume records (`check_resumed_settings`)."""
     run_dir = cfg.run_dir
     for folder in (run_dir, *run_dir.parents):
         if folder.exists():
@@ -132,7 +132,7 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last
         raise FileNotFoundError(f"--resume: {run_dir} holds no run to resume; check out_dir and run_name, or start "
                                 "it without --resume")
     if resume and started:
-        raised = _check_resumed_settings(cfg, run_dir / "train_config.yaml")
+        raised = check_resumed_settings(cfg, run_dir / "train_config.yaml")
         if not discard_last:
             for stage in _unfinished_stages(run_dir):
                 last = stage / "checkpoints" / "last.ckpt"
@@ -318,7 +318,7 @@ def _looks_like_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in ("train_config.yaml", "stages", export.CONFIG_FILE, "logs"))
 
 
-def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
+def check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
     """A resumed run must train what it started to: ValueError naming any changed setting, but
     for a raised step budget, returned as {setting: [old, new]} (`_record_raised` writes it to
     ``resumes.json`` beside the config)."""
