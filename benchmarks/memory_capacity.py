@@ -316,7 +316,7 @@ def encoder_cell(lm, handoff, name, texts, instruction, ce, dtype: str = "float3
     figures = read_back(lm, memories, ids, instruction)
     vectors = [int(m.shape[0]) for m in memories]
     return {"memory": name, "length": len(ids[0]), "k": Counter(vectors).most_common(1)[0][0],
-            "memory_kind": handoff.spec.memory.name, "payload_dtype": dtype, "seconds": round(time.perf_counter() - start, 1),
+            "memory_kind": handoff.spec.memory.kind, "payload_dtype": dtype, "seconds": round(time.perf_counter() - start, 1),
             "texts": text_records(texts, figures, ce, lm.tokenizer, vectors)}
 
 
@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
                      "instruction_tokens": len(instruction), "initial_vector_norm": round(embedding_norm(lm), 4),
                      "encoders": [str(r) for r in args.encoder], "sources": args.sources,
                      "payload_dtypes": args.payload_dtypes, "ceiling_from": args.ceiling_from},
-        "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.name,
-                      "pooling": h.spec.memory.pooling_entries(), "memory_vectors": h.num_memory_tokens,
+        "encoders": [{"name": name, "path": str(h.source), "memory_kind": h.spec.memory.kind,
+                      "pooling": h.spec.memory.entries(), "memory_vectors": h.num_memory_tokens,
                       "latent_dim": h.spec.latent_dim, "payload_dtype": dtype, "max_length": h.max_length}
                      for name, (h, dtype) in handoffs.items()],
         "summary": rows,

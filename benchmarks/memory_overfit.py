@@ -19,7 +19,7 @@ float32, as `memory_capacity.py` does (the stage may compute in bfloat16).
     python benchmarks/memory_overfit.py --texts 3 --steps 300 --out /tmp/overfit
     python benchmarks/memory_overfit.py --texts 3 --steps 300 reconstruct.lr=1e-2 reconstruct.encoder_lr=1e-2
     python benchmarks/memory_overfit.py --lm tiny-qwen3 --config configs/tiny.yaml --length 8 --texts 1 --steps 5 \
-        compressor.pooling=slots compressor.chunk_tokens=0 compressor.answer_head_weight=0 compressor.tokens_per_slot=4
+        compressor.memory.kind=slots compressor.answer_head_weight=0 compressor.memory.tokens_per_slot=4
 
 It writes memory_overfit.json (settings, each memory's loss curve and per-text figures),
 memory_overfit.md (the summary table) and the folder's README.md (with the folder's notes.md).
@@ -45,7 +45,6 @@ from ilcp.encoder.slots import SlotEncoder, slot_counts  # noqa: E402
 from ilcp.io import atomic_write_json, atomic_write_text  # noqa: E402
 from ilcp.lm import DEFAULT_LM, LM, LMLoadError, load_lm  # noqa: E402
 from ilcp.provenance import command_line, provenance  # noqa: E402
-from ilcp.training.compressor_stage import start_slot_encoder  # noqa: E402
 from ilcp.training.data import HandoffRows, sender_max_length  # noqa: E402
 from ilcp.training.handoff_stage import attach_projector, warmup_cosine  # noqa: E402
 from ilcp.training.init_from import pretrained_encoder  # noqa: E402
@@ -57,12 +56,10 @@ JSON_NAME, TABLE_NAME = "memory_overfit.json", "memory_overfit.md"
 def slot_encoder(cfg, lm: LM, contexts: list[str]) -> SlotEncoder:
     """The config's slot encoder with its projector, fresh (standardised on `contexts`) or from
     ``compressor.init_from``."""
-    if cfg.compressor.pooling != "slots":
-        raise ValueError(f"compressor.pooling is {cfg.compressor.pooling!r}: this benchmark trains memory slots")
     if cfg.compressor.init_from:
         return pretrained_encoder(cfg, lm, sender_max_length(cfg, lm))
     rows = HandoffRows([{"context": c, "question": "", "answer": ""} for c in contexts], None)
-    return attach_projector(start_slot_encoder(cfg, lm, rows), cfg.handoff, lm)
+    return attach_projector(cfg.compressor.memory.start(cfg, lm, rows), cfg.handoff, lm)
 
 
 def vector_norm(memories) -> float:
@@ -165,6 +162,9 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.compressor.memory.kind != "slots":
+            raise ValueError(f"compressor.memory.kind is {cfg.compressor.memory.kind!r}: this benchmark trains memory "
+                             "slots")
         lm = load_lm(args.lm) if lm is None else lm
     except (OSError, ValueError, LMLoadError) as e:
         print(f"memory_overfit: {e}", file=sys.stderr)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None, *, lm: LM | None = None) -> int:
     print(f"memory overfit: {lm.spec}, {len(ids)} texts of {args.length} tokens, {args.steps} steps, "
           f"{torch.get_num_threads()} threads", flush=True)
     c = cfg.compressor
-    k = int(slot_counts(torch.tensor([args.length]), c.tokens_per_slot, c.min_slots, c.max_slots)) \
+    k = int(slot_counts(torch.tensor([args.length]), c.memory.tokens_per_slot, c.memory.min_slots, c.memory.max_slots)) \
         * cfg.handoff.num_memory_tokens  # the encoder's vectors for a text of L tokens
     for kind in args.memories:
         began = time.perf_counter()

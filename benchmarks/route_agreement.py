@@ -47,7 +47,7 @@ def batch_losses(module: ReconstructionModule, batches: list[dict], precision: s
     for batch in batches:
         with autocast(precision, "cpu"):
             batch, targets, prompt_ids = module.tasks(batch)
-            loss, _ = module._teacher_forced(batch, module.memory(batch), targets, prompt_ids)
+            loss, _ = module.reconstruction_loss(batch, module.memory(batch), targets, prompt_ids)
         losses.append(float(loss))
     return losses
 

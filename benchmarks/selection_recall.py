@@ -35,7 +35,8 @@ from ilcp import rclc
 from ilcp.rclc import hf
 from ilcp.rclc.budget import position_budget
 from ilcp.rclc.selectors.sentences import Sentences
-from ilcp.receiver.rclc_prompts import SELECTORS, receiver_framing
+from ilcp.receiver.rclc_prompts import receiver_framing
+from ilcp.selection_prompts import SELECTORS
 
 TASKS = ("babi:1", "facts")
 BUDGETS = ("r16", "r8", "r4", "r2", "b16", "b32")

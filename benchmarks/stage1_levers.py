@@ -92,8 +92,8 @@ def main() -> None:
     train_1, val_1, n_answers = stage_one_rows(lm, train, val)
     torch.manual_seed(args.seed)
     c = cfg.compressor
-    pooler = Pooler(train.state_dim, c.pool_queries, args.recency)
-    vae = BetaVAE(c.pool_queries * train.state_dim, c.latent_dim, c.hidden_dim, c.beta)
+    pooler = Pooler(train.state_dim, c.memory.pool_queries, args.recency)
+    vae = BetaVAE(c.memory.pool_queries * train.state_dim, c.latent_dim, c.hidden_dim, c.beta)
     head = nn.Sequential(nn.Linear(c.latent_dim + train_1.features.shape[1], c.hidden_dim), nn.SiLU(),
                          nn.Linear(c.hidden_dim, n_answers))
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import load_config
+from .config import load_config, settings_help
 from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, EVAL_SPLITS, METHOD_FAMILIES, METHOD_GROUPS, METHODS, PAYLOAD_DTYPES, PRECISIONS,
@@ -133,7 +133,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="ilcp-train", description=TRAIN_HELP,
+    parser = OneLineParser(prog="ilcp-train", description=TRAIN_HELP, epilog=settings_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue the run from its last checkpoints")

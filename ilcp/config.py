@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
@@ -20,6 +21,20 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .config_sections import CompressorConfig, DataConfig, HandoffConfig, LMConfig, ReconstructConfig, TrainerConfig
+from .encoder.kinds import MemoryKind, memory_from_settings
+
+# settings of the training config's earlier shape, each with the key that holds it now: an old
+# config is refused in one line naming the new key
+MOVED = {
+    "compressor.pooling": "compressor.memory.kind",
+    "compressor.pool_queries": "compressor.memory.pool_queries",
+    "compressor.chunk_tokens": "compressor.memory.chunk_tokens",
+    "compressor.tokens_per_slot": "compressor.memory.tokens_per_slot",
+    "compressor.min_slots": "compressor.memory.min_slots",
+    "compressor.max_slots": "compressor.memory.max_slots",
+    "compressor.slot_adapter_rank": "compressor.memory.adapter_rank",
+    "compressor.slot_adapter_targets": "compressor.memory.adapter_targets",
+}
 
 
 
@@ -46,35 +61,26 @@ class TrainConfig:
             )
         if self.handoff.joint_kl_weight > 0 and not self.handoff.finetune_encoder:
             raise ValueError("handoff.joint_kl_weight needs handoff.finetune_encoder=true (a frozen encoder has no KL to train)")
-        c = self.compressor
-        if (c.pooling == "attention" and "ilcp" in self.handoff.variants
-                and not (self.handoff.finetune_encoder or c.answer_head_weight > 0 or self.reconstruct.enabled)):
-            raise ValueError("compressor.pooling=attention needs handoff.finetune_encoder=true, "
-                             "compressor.answer_head_weight > 0 or reconstruct.steps > 0 (nothing else teaches the "
-                             "pooler's queries)")
+        c, r = self.compressor, self.reconstruct
         if c.story_attention_weight > 0 and not self.data.task.startswith("babilong"):
             raise ValueError(f"compressor.story_attention_weight > 0 needs a BABILong task (data.task "
                              f"'babilong:N:LENGTH'), where the story's place in the context is known; got "
                              f"{self.data.task!r}")
-        if c.pooling == "slots" and not (self.handoff.finetune_encoder or self.reconstruct.enabled or c.init_from):
-            raise ValueError("compressor.pooling=slots trains the slots and the VAE in stage 2 unless a pretraining "
-                             "stage (reconstruct.steps > 0) or compressor.init_from trained them: it needs "
-                             "handoff.finetune_encoder=true")
-        r = self.reconstruct
-        if c.pooling != "slots" and (r.texts != ["task"] or r.continuation > 0 or r.text_tokens > 0):
+        if not c.memory.reads_sender_lm and (r.texts != ["task"] or r.continuation > 0 or r.text_tokens > 0):
             raise ValueError("reconstruct.texts besides 'task', reconstruct.continuation and reconstruct.text_tokens "
-                             "read texts whose sender states are not cached: they need compressor.pooling=slots")
-        if c.pooling == "slots" and self.reconstruct.token_steps + self.reconstruct.token_weight > 0:
-            raise ValueError("reconstruct.token_steps / token_weight read chunks of tokens, not memory slots")
+                             "read texts whose sender states are not cached: they need a memory kind that reads the "
+                             f"sender's LM (compressor.memory.kind=slots), not {c.memory.kind!r}")
+        c.memory.check_run(self)
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
         if self.handoff.max_steps == 0 and not (self.reconstruct.enabled or self.compressor.init_from):
             raise ValueError("handoff.max_steps=0 exports the encoder without an answer stage: it needs a pretraining "
                              "stage (reconstruct.steps > 0) or compressor.init_from to have trained it")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (
-                self.compressor.chunk_tokens > 0 and self.handoff.num_memory_tokens == self.compressor.chunk_tokens):
-            raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk as its j-th token: "
-                             "they need compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
+                c.memory.chunk_tokens > 0 and self.handoff.num_memory_tokens == c.memory.chunk_tokens):
+            raise ValueError("reconstruct.token_steps / token_weight read memory vector j of a chunk of tokens as its "
+                             "j-th token: they need compressor.memory.chunk_tokens > 0 and handoff.num_memory_tokens "
+                             "equal to it")
         if self.trainer.precision == "bf16-mixed" and self.lm.dtype == "float16":
             raise ValueError(f"trainer.precision {self.trainer.precision} with lm.dtype float16: pick one "
                              "half-precision type")
@@ -84,7 +90,10 @@ class TrainConfig:
         return Path(self.out_dir) / self.run_name
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as nested plain values (``compressor.memory`` as its ``kind`` and settings)."""
+        out = dataclasses.asdict(self)
+        out["compressor"]["memory"] = self.compressor.memory.settings()
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,6 +114,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value (e.g. handoff.max_steps=50)")
+    # an override of a memory kind comes first and starts that kind from its defaults: the file's
+    # settings of another kind are dropped, the other overrides then apply to the new kind
+    overrides = sorted(overrides, key=lambda item: not item.split("=", 1)[0].strip().endswith("memory.kind"))
+    for item in overrides:
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw) if raw.strip() else None
         if isinstance(value, dict) and not raw.lstrip().startswith("{"):
@@ -115,6 +128,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
+        if parts[-2:-1] == ["memory"] and parts[-1] == "kind" and node.get("kind") != value:
+            node.clear()
         node[parts[-1]] = value
     return from_dict(TrainConfig, data)
 
@@ -126,12 +141,19 @@ def from_dict(cls, data: dict, prefix: str = ""):
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields), key=str)
+    moved = [f"{prefix}{name}" for name in unknown if f"{prefix}{name}" in MOVED]
+    if moved:
+        example = "compressor.memory.kind=slots" if moved[0] == "compressor.pooling" else f"{MOVED[moved[0]]}=..."
+        raise ValueError(f"{moved[0]} is now {MOVED[moved[0]]} (the memory kind and its own settings, "
+                         f"e.g. {example}; configs/README.md)")
     if unknown:
         raise ValueError(_unknown_fields(data, unknown, list(fields), prefix))
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and issubclass(hint, MemoryKind):
+            kwargs[name] = memory_from_settings(value or {}, fields[name].default, prefix=f"{prefix}{name}.")
+        elif dataclasses.is_dataclass(hint):
             kwargs[name] = from_dict(hint, value or {}, prefix=f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
@@ -167,7 +189,9 @@ def _field_paths(cls, prefix: str = "") -> list[str]:
     """Every ``section.key`` (and top-level key) of dataclass `cls`."""
     paths = []
     for name, hint in get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and issubclass(hint, MemoryKind):
+            paths += [f"{prefix}{name}.kind"]
+        elif dataclasses.is_dataclass(hint):
             paths += _field_paths(hint, f"{prefix}{name}.")
         else:
             paths.append(f"{prefix}{name}")
@@ -225,3 +249,27 @@ def flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def settings_help() -> str:
+    """Every training setting with its help, default and bounds, read from the declarations
+    (`ilcp.settings`): the sections' fields, and each memory kind's own settings."""
+    from .encoder.kinds import memory_kinds
+    from .names import MEMORY_KINDS
+    from .settings import describe
+
+    def memory(name, declared):
+        if not name.endswith(".memory"):
+            return None
+        rows = [(f"{name}.kind", f"{declared.help} (default {declared.default.kind!r})")]
+        for kind, cls in memory_kinds().items():
+            entry = MEMORY_KINDS.get(kind)
+            rows.append((f"{name}.kind={kind}", entry.help if entry else cls.__doc__.split(".")[0]))
+            rows += cls.describe_settings(f"{name}.")
+        return rows
+
+    lines = ["settings (section.key=value; `python train.py --help` reads them from the config's declarations):"]
+    for key, text in describe(TrainConfig, expand=memory):
+        lines.append(textwrap.fill(text, width=100, initial_indent=f"  {key}: ", subsequent_indent="      ",
+                                   break_on_hyphens=False))
+    return "\n".join(lines)

@@ -10,20 +10,19 @@ its section; `ilcp.config.TrainConfig` holds them all and checks their combinati
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .names import DEFAULT_LM, DEFAULT_SELECTOR, PRECISIONS, SELECTORS, SNAP_METRICS, VOCABULARY_SNAPS, pooling_kinds
-from .receiver.prompts import MEMORY_PLACEMENTS
+from .encoder.kinds import AttentionMemory, MemoryKind
+from .settings import MAX_LR, MAX_WEIGHT, check_declared, setting
+from .names import (DEFAULT_LM, DEFAULT_SELECTOR, MEMORY_KINDS, MEMORY_PLACEMENTS, PRECISIONS, SELECTORS, SNAP_METRICS,
+                    VOCABULARY_SNAPS)
 
 VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned", "selection_tuned")
 DEFAULT_VARIANTS = ("ilcp", "prompt_tuned", "cold_read_tuned")  # selection_tuned is trained when asked for
 
 
-def _f(default, help: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+_f = setting  # every field is a declared setting: type, default, help, bounds (`ilcp.settings`)
 
 
 @dataclass
@@ -33,6 +32,7 @@ class LMConfig:
     cache_dir: str | None = _f(None, "where converted models and pooled states are cached (default $ILCP_CACHE or ~/.cache/ilcp)")
 
     def __post_init__(self):
+        check_declared(self, "lm.{}".format)  # types, ranges and choices as declared
         if self.dtype not in {"float32", "bfloat16", "float16"}:
             raise ValueError(f"lm.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -46,30 +46,30 @@ class DataConfig:
                              "'jsonl:train=A,test=B' (columns context, question, answer, optional id), or a mix of any of "
                              "these 'mix:squad|babi:all' (the same number of rows from each single task)")
     babi_variant: str = _f("en-10k", "bAbI folder for the training task: 'en' (1k) or 'en-10k'")
-    train_size: int = _f(1500, "training rows used (the first N after the story-level split)")
-    val_size: int = _f(256, "validation rows for the teacher-forced loss")
-    val_decode_size: int = _f(256, "validation rows decoded greedily for exact match (a fixed subset)")
-    facts_n_facts: int = _f(4, "facts task: facts stated in each context")
-    facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context")
+    train_size: int = _f(1500, "training rows used (the first N after the story-level split)", minimum=1)
+    val_size: int = _f(256, "validation rows for the teacher-forced loss", minimum=1)
+    val_decode_size: int = _f(256, "validation rows decoded greedily for exact match (a fixed subset)", minimum=1)
+    facts_n_facts: int = _f(4, "facts task: facts stated in each context", minimum=1)
+    facts_n_distractors: int = _f(0, "facts task: distractor sentences in each context", minimum=0)
     facts_value_split: str | None = _f(None, "facts task: 'train' draws every value from the training side of the "
                                              "value partition, so eval's facts-heldout split asks only unseen values "
                                              "(null: the original generator)")
     max_length: int = _f(0, "context tokens the sender reads (0 = the LM's own limit, its max_position_embeddings; "
                             "a longer context keeps its last tokens, the export records the limit and eval reports "
-                            "the contexts cut)")
+                            "the contexts cut)", minimum=0)
     pool_layers: list = _f([-1], "hidden-state layers mean-pooled and concatenated (-1 = last)")
-    pool_batch_size: int = _f(16, "contexts per forward of sender-state extraction")
+    pool_batch_size: int = _f(16, "contexts per forward of sender-state extraction", minimum=1)
     pool_batch_tokens: int = _f(16384, "at most this many padded positions per extraction forward (long contexts "
-                                       "go a few, or one, at a time)")
+                                       "go a few, or one, at a time)", minimum=1)
     cache_dtype: str = _f("auto", "dtype the sender states are cached in: auto (bfloat16 when the run computes in "
                                   "bfloat16, else float32), float32 or bfloat16; part of the cache key")
     seed: int = _f(0, "seed of the validation split and of procedural tasks")
     columns: dict = _f({}, "file tasks: the file's column for each standard name, e.g. {context: passage, answer: "
                            "gold} (data.columns.context=passage); unmapped names are read as they are")
     validation_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts "
-                                         "carved out for validation")
+                                         "carved out for validation", minimum=0, below=1)
     test_fraction: float = _f(0.1, "file tasks without their own splits: the share of distinct contexts carved "
-                                   "out for test (eval's split)")
+                                   "out for test (eval's split)", minimum=0, below=1)
     allow_split_overlap: bool = _f(False, "file tasks with their own splits: accept test or validation rows whose "
                                           "contexts are in train (or the same file for two splits); eval's report "
                                           "then says so")
@@ -78,6 +78,7 @@ class DataConfig:
                                  "[babi:2, babi:3, babi:19]")
 
     def __post_init__(self):
+        check_declared(self, "data.{}".format)  # types, ranges and choices as declared
         from .names import unknown_task  # the standard library only
 
         problem = unknown_task(self.task)
@@ -104,97 +105,54 @@ class DataConfig:
         unknown = sorted(set(self.columns) - {"context", "question", "answer", "id"})
         if unknown:
             raise ValueError(f"data.columns: unknown key(s) {', '.join(unknown)}; map context, question, answer or id")
-        for name in ("validation_fraction", "test_fraction"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"data.{name} must be in [0, 1), got {value!r}")
         if self.validation_fraction + self.test_fraction >= 1:
             raise ValueError("data.validation_fraction + data.test_fraction must be below 1")
         if self.babi_variant not in {"en", "en-10k"}:
             raise ValueError(f"data.babi_variant must be 'en' or 'en-10k', got {self.babi_variant!r}")
-        for name in ("train_size", "val_size", "val_decode_size", "pool_batch_size", "pool_batch_tokens",
-                     "facts_n_facts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"data.cache_dtype must be auto, float32 or bfloat16, got {self.cache_dtype!r}")
-        if self.max_length < 0:
-            raise ValueError(f"data.max_length must be >= 0 (0 = the LM's own limit), got {self.max_length}")
         if self.facts_value_split not in (None, "train"):
             raise ValueError(f"data.facts_value_split must be null or 'train', got {self.facts_value_split!r}")
-        if self.facts_n_distractors < 0:
-            raise ValueError(f"data.facts_n_distractors must be >= 0, got {self.facts_n_distractors}")
         if not self.pool_layers or not all(isinstance(i, int) for i in self.pool_layers):
             raise ValueError(f"data.pool_layers must be a non-empty list of ints, got {self.pool_layers!r}")
 
 
 @dataclass
 class CompressorConfig:
-    latent_dim: int = _f(32, "latent width: the payload is latent_dim floats (32 x float32 = 128 bytes)")
-    hidden_dim: int = _f(512, "width of the VAE body and decoder")
-    beta: float = _f(0.1, "weight of the KL term")
-    kl_warmup_steps: int = _f(200, "steps over which the KL weight ramps from 0 to beta (0 = none)")
-    epochs: int = _f(30, "stage-1 epochs over the training pooled states")
-    batch_size: int = _f(128, "stage-1 batch size")
-    lr: float = _f(1e-3, "stage-1 AdamW learning rate")
-    pooling: str = _f("attention", "sender summary: 'attention' (learned queries), 'mean' (masked mean, the spec), "
-                                   "'concat' (with chunk_tokens: a chunk's token states side by side) or 'slots' "
-                                   "(learned memory tokens the sender's LM reads after the context, one latent each)")
-    chunk_tokens: int = _f(0, "one latent per chunk of this many context tokens, each through the same VAE, so the "
-                              "payload grows with the context (0 = one latent per context, the spec)")
-    pool_queries: int = _f(4, "with pooling=attention, learned queries (the VAE reads queries x hidden floats)")
+    latent_dim: int = _f(32, "latent width: the payload is latent_dim floats (32 x float32 = 128 bytes)", minimum=1)
+    hidden_dim: int = _f(512, "width of the VAE body and decoder", minimum=1)
+    beta: float = _f(0.1, "weight of the KL term", minimum=0, maximum=MAX_WEIGHT)
+    kl_warmup_steps: int = _f(200, "steps over which the KL weight ramps from 0 to beta (0 = none)", minimum=0)
+    epochs: int = _f(30, "stage-1 epochs over the training pooled states", minimum=1)
+    batch_size: int = _f(128, "stage-1 batch size", minimum=1)
+    lr: float = _f(1e-3, "stage-1 AdamW learning rate", above=0, maximum=MAX_LR)
+    memory: MemoryKind = _f(AttentionMemory(pool_queries=4), "the memory kind (" + ", ".join(MEMORY_KINDS) + "), "
+                            "then that kind's own settings, compressor.memory.SETTING (`ilcp.encoder.kinds`)")
     answer_head_weight: float = _f(1.0, "stage 1 adds this weight x the cross-entropy of a small answer head reading "
-                                  "[z ; question]: answers shape the latent without the LM (0 = the spec)")
+                                  "[z ; question]: answers shape the latent without the LM (0 = the spec)",
+                                   minimum=0, maximum=MAX_WEIGHT)
     story_attention_weight: float = _f(0.0, "BABILong training only: stage 1 adds this weight x the cross-entropy of each "
                                        "attention query against the uniform distribution over the story's tokens "
                                        "(known from the construction), teaching the pooler to find the story in the "
-                                       "prose; the sender is never told where it is (0 = off)")
-    pooler_lr: float = _f(0.0, "stage-1 learning rate of the attention pooler (0 = compressor.lr)")
-    tokens_per_slot: int = _f(16, "with pooling=slots, one memory slot per this many context tokens")
-    min_slots: int = _f(1, "with pooling=slots, the fewest slots a context gets")
-    max_slots: int = _f(64, "with pooling=slots, the most slots a context gets (longer contexts share them)")
-    slot_adapter_rank: int = _f(0, "with pooling=slots, rank of low-rank adapters on the sender LM's layers, active "
-                                   "for the slot positions only (0 = none: the slots alone learn)")
-    slot_adapter_targets: list = _f(["q_proj", "v_proj"], "the LM's linear layers (by name) the slot adapters adapt")
+                                       "prose; the sender is never told where it is (0 = off)",
+                                       minimum=0, maximum=MAX_WEIGHT)
+    pooler_lr: float = _f(0.0, "stage-1 learning rate of the attention pooler (0 = compressor.lr)",
+                          minimum=0, maximum=MAX_LR)
     init_from: str = _f("", "start the encoder (projector included) from a pretrained encoder or a run's export "
                             "folder instead of stage 1; its LM fingerprint and digests are checked, and its "
                             "settings must be this run's")
 
     def __post_init__(self):
-        for name in ("latent_dim", "hidden_dim", "epochs", "batch_size", "pool_queries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"compressor.{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_tokens < 0:
-            raise ValueError(f"compressor.chunk_tokens must be >= 0, got {self.chunk_tokens}")
-        if self.chunk_tokens > 0 and self.answer_head_weight > 0:
-            raise ValueError("compressor.chunk_tokens > 0 needs compressor.answer_head_weight=0 (the answer head reads "
-                             "one latent per context)")
-        if self.answer_head_weight < 0:
-            raise ValueError(f"compressor.answer_head_weight must be >= 0, got {self.answer_head_weight}")
-        if self.pooling not in pooling_kinds():
-            raise ValueError(f"compressor.pooling must be one of {list(pooling_kinds())}, got {self.pooling!r}")
-        if self.pooling == "concat" and self.chunk_tokens < 1:
-            raise ValueError("compressor.pooling=concat needs compressor.chunk_tokens >= 1 (it reads chunks)")
-        if self.beta < 0 or self.kl_warmup_steps < 0 or self.lr <= 0:
-            raise ValueError("compressor.beta and compressor.kl_warmup_steps must be >= 0 and compressor.lr > 0")
-        if self.story_attention_weight < 0 or self.pooler_lr < 0:
-            raise ValueError("compressor.story_attention_weight and compressor.pooler_lr must be >= 0")
-        if min(self.tokens_per_slot, self.min_slots) < 1 or self.max_slots < self.min_slots:
-            raise ValueError("compressor.tokens_per_slot and compressor.min_slots must be >= 1 and compressor.max_slots "
-                             f">= compressor.min_slots, got {self.tokens_per_slot}, {self.min_slots}, {self.max_slots}")
-        if self.slot_adapter_rank < 0 or not (isinstance(self.slot_adapter_targets, list) and self.slot_adapter_targets
-                                              and all(isinstance(t, str) for t in self.slot_adapter_targets)):
-            raise ValueError("compressor.slot_adapter_rank must be >= 0 and compressor.slot_adapter_targets a non-empty "
-                             f"list of layer names, got {self.slot_adapter_rank}, {self.slot_adapter_targets!r}")
-        if self.slot_adapter_rank > 0 and self.pooling != "slots":
-            raise ValueError("compressor.slot_adapter_rank > 0 adapts the LM for memory slots: it needs "
-                             "compressor.pooling=slots")
-        if self.pooling == "slots" and (self.chunk_tokens > 0 or self.answer_head_weight > 0):
-            raise ValueError("compressor.pooling=slots needs compressor.chunk_tokens=0 and compressor.answer_head_weight=0 "
-                             "(the slots are the chunks, and are trained through the LM in stage 2)")
-        if self.story_attention_weight > 0 and (self.pooling != "attention" or self.chunk_tokens > 0):
-            raise ValueError("compressor.story_attention_weight > 0 teaches an attention pooler over the whole "
-                             "context: it needs compressor.pooling=attention and compressor.chunk_tokens=0")
+        check_declared(self, "compressor.{}".format)  # types, ranges and choices as declared
+        if not isinstance(self.memory, MemoryKind):
+            raise ValueError(f"compressor.memory must be the settings of a memory kind, got {self.memory!r}")
+        if self.answer_head_weight > 0 and not self.memory.one_latent_per_context:
+            raise ValueError(f"compressor.answer_head_weight > 0 reads one latent per context; memory kind "
+                             f"{self.memory.kind!r} with these settings sends several: set "
+                             "compressor.answer_head_weight=0")
+        if self.story_attention_weight > 0 and not self.memory.attention_queries:
+            raise ValueError("compressor.story_attention_weight > 0 teaches learned queries over the whole context: "
+                             "it needs compressor.memory.kind=attention without chunks")
 
 
 # the readers of the text a distillation teacher can be (the plain LM, or behind this run's tuned vectors)
@@ -205,37 +163,42 @@ DISTILL_TEACHERS = ("cold_read", "cold_read_tuned")
 class HandoffConfig:
     variants: list = _f(list(DEFAULT_VARIANTS), "what stage 2 trains: any of ilcp, prompt_tuned, cold_read_tuned, "
                                                 "selection_tuned (K vectors before an RCLC selection of the context)")
-    num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt")
-    projector_hidden: int = _f(512, "width of the projector's trunk")
+    num_memory_tokens: int = _f(8, "K, soft-prompt vectors in front of the receiver's prompt", minimum=1)
+    projector_hidden: int = _f(512, "width of the projector's trunk", minimum=1)
     finetune_encoder: bool = _f(True, "let the answer loss reach the VAE encoder (False = the spec's frozen encoder)")
     distill_weight: float = _f(0.0, "ilcp: weight of a distillation term, KL(teacher || receiver) over the answer "
-                                    "tokens, the teacher being the frozen LM reading the context text (0 = none)")
-    distill_temperature: float = _f(1.0, "temperature of both distributions in the distillation term")
+                                    "tokens, the teacher being the frozen LM reading the context text (0 = none)",
+                               minimum=0, maximum=MAX_WEIGHT)
+    distill_temperature: float = _f(1.0, "temperature of both distributions in the distillation term",
+                                    above=0, maximum=MAX_WEIGHT)
     distill_teacher: str = _f("cold_read", "the distillation teacher: 'cold_read' (the frozen LM reading the text) or "
                                            "'cold_read_tuned' (reading it behind this run's cold_read_tuned vectors, "
                                            "trained first)")
-    joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss")
+    joint_kl_weight: float = _f(0.0, "with finetune_encoder, weight of the KL term added to the answer loss",
+                                minimum=0, maximum=MAX_WEIGHT)
     max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants); 0 with variants [ilcp] "
                              "and reconstruct.steps > 0: no answer stage, the encoder is exported as pretrained")
-    batch_size: int = _f(8, "stage-2 batch size")
-    lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt")
-    encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on")
-    weight_decay: float = _f(0.0, "stage-2 AdamW weight decay")
-    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
-    val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end")
-    max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match")
+    batch_size: int = _f(8, "stage-2 batch size", minimum=1)
+    lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt", above=0, maximum=MAX_LR)
+    encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on",
+                           above=0, maximum=MAX_LR)
+    weight_decay: float = _f(0.0, "stage-2 AdamW weight decay", minimum=0, maximum=MAX_WEIGHT)
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps", minimum=0)
+    val_every_steps: int = _f(60, "validate (loss + greedy exact match) every N steps and at the end", minimum=1)
+    max_new_tokens: int = _f(6, "greedy tokens decoded for validation exact match", minimum=1)
     validate_start: bool = _f(False, "validate before the first step too, and keep the starting weights when no "
                                      "step beats them (for a source that may start well: format_from with "
                                      "vocabulary_snap)")
     format_vectors: int = _f(0, "ilcp with memory_placement=in_prompt: learned vectors before the whole prompt, "
-                                "as cold_read_tuned's (0 = none)")
+                                "as cold_read_tuned's (0 = none)", minimum=0)
     memory_placement: str = _f("prefix", "ilcp: where the receiver reads the memory vectors: 'prefix' (before the "
                                          "question prompt, the spec) or 'in_prompt' (where the context text stands "
                                          "in the cold-read prompt; for a token codec)")
     vocabulary_snap: str = _f("none", "ilcp: 'soft' reads each memory vector as a softmax mixture of the LM's token "
                                       "embeddings (cosine at snap_temperature), 'hard' as the closest one "
                                       "(straight-through gradient); 'none' reads the projected vectors")
-    snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax")
+    snap_temperature: float = _f(0.02, "ilcp: the temperature of vocabulary_snap's softmax",
+                                 above=0, maximum=MAX_WEIGHT)
     snap_metric: str = _f("cosine", "ilcp: how vocabulary_snap scores a row: 'cosine' or 'dot' (the inner product, "
                                     "for a codec trained with reconstruct.token_logits=dot; set snap_temperature=1)")
     format_from: str = _f("", "ilcp with memory_placement=in_prompt: cold_read_tuned's trained vectors (frozen) "
@@ -243,26 +206,21 @@ class HandoffConfig:
                               "path reads them from another run's export, for the same LM ('' = none)")
     selection_selector: str = _f(DEFAULT_SELECTOR, "selection_tuned: the RCLC selector whose rows replace the context "
                                                    f"text ({', '.join(SELECTORS)})")
-    selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)")
+    selection_ratio: int = _f(4, "selection_tuned: the relative budget r<N> of that selection (ceil(T / N) rows)",
+                              minimum=1)
 
     def __post_init__(self):
+        check_declared(self, "handoff.{}".format)  # types, ranges and choices as declared
         if self.selection_selector not in SELECTORS:
             raise ValueError(f"handoff.selection_selector must be one of {list(SELECTORS)}, "
                              f"got {self.selection_selector!r}")
-        if self.selection_ratio < 1:
-            raise ValueError(f"handoff.selection_ratio must be >= 1, got {self.selection_ratio}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"handoff.variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants!r}")
-        for name in ("num_memory_tokens", "projector_hidden", "batch_size", "val_every_steps", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"handoff.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps < 0 or (self.max_steps == 0 and self.variants != ["ilcp"]):
             raise ValueError(f"handoff.max_steps must be >= 1 (0 only with handoff.variants=[ilcp]: a pretraining run "
                              f"that exports its encoder as the reconstruction stage left it), got {self.max_steps} "
                              f"with variants {self.variants}")
-        if self.lr <= 0 or self.encoder_lr <= 0:
-            raise ValueError("handoff.lr and handoff.encoder_lr must be > 0")
         if self.format_vectors < 0 or (self.format_vectors and self.memory_placement == "prefix"):
             raise ValueError("handoff.format_vectors must be >= 0, and needs handoff.memory_placement=in_prompt "
                              "(with prefix memory the memory vectors are already in front)")
@@ -283,55 +241,60 @@ class HandoffConfig:
         if self.format_from == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
             raise ValueError("handoff.format_from=cold_read_tuned trains cold_read_tuned first: add it to "
                              "handoff.variants, or name another run's directory")
-        if self.distill_weight < 0 or self.distill_temperature <= 0:
-            raise ValueError("handoff.distill_weight must be >= 0 and handoff.distill_temperature > 0")
         if self.distill_teacher not in DISTILL_TEACHERS:
             raise ValueError(f"handoff.distill_teacher must be one of {list(DISTILL_TEACHERS)}, got "
                              f"{self.distill_teacher!r}")
         if self.distill_teacher == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
             raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "
                              "handoff.variants")
-        if self.joint_kl_weight < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError("handoff.joint_kl_weight, warmup_steps and weight_decay must be >= 0")
 
 
 @dataclass
 class ReconstructConfig:
     steps: int = _f(0, "reconstruction-stage steps between stage 1 and the answer stage: the frozen LM regenerates "
-                       "each training context from the K memory vectors alone (0 = no such stage)")
-    batch_size: int = _f(8, "reconstruction-stage batch size (distinct training contexts)")
-    lr: float = _f(1e-3, "reconstruction-stage learning rate of the projector")
-    encoder_lr: float = _f(1e-3, "reconstruction-stage learning rate of the pooler and VAE")
-    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
-    val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end")
-    max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)")
+                       "each training context from the K memory vectors alone (0 = no such stage)", minimum=0)
+    batch_size: int = _f(8, "reconstruction-stage batch size (distinct training contexts)", minimum=1)
+    lr: float = _f(1e-3, "reconstruction-stage learning rate of the projector", above=0, maximum=MAX_LR)
+    encoder_lr: float = _f(1e-3, "reconstruction-stage learning rate of the pooler and VAE", above=0, maximum=MAX_LR)
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps", minimum=0)
+    val_every_steps: int = _f(50, "validate (teacher-forced loss) every N steps and at the end", minimum=1)
+    max_target_tokens: int = _f(128, "context tokens regenerated (a longer context keeps its first tokens)", minimum=1)
     token_steps: int = _f(0, "steps of the token loss alone, before the reconstruction steps: no LM forward, so "
-                             "cheap (needs compressor.chunk_tokens = handoff.num_memory_tokens)")
+                             "cheap (needs compressor.chunk_tokens = handoff.num_memory_tokens)", minimum=0)
     token_weight: float = _f(0.0, "weight of the token loss added to the reconstruction loss: memory vector j of a "
-                                  "chunk should read as the chunk's j-th token (0 = none)")
-    token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step")
+                                  "chunk should read as the chunk's j-th token (0 = none)",
+                             minimum=0, maximum=MAX_WEIGHT)
+    token_candidates: int = _f(4096, "token loss: vocabulary rows sampled as negatives at each step", minimum=1)
     token_shape_weight: float = _f(1.0, "token loss: weight of the cosine and norm terms that keep each vector at its "
                                         "token's direction and scale (a snapped codec, handoff.vocabulary_snap, "
-                                        "needs only the cross-entropy's ranking)")
+                                        "needs only the cross-entropy's ranking)", minimum=0, maximum=MAX_WEIGHT)
     token_logits: str = _f("cosine", "token loss: the cross-entropy's scores, 'cosine' (at the fixed temperature "
                                      "0.05) or 'dot' (inner products with the embedding rows; read it with "
                                      "handoff.snap_metric=dot)")
     random_texts: int = _f(0, "token-loss steps: texts of random whole-word tokens drawn fresh at each step besides "
-                              "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)")
-    random_words: int = _f(12, "whole-word tokens per random text")
+                              "the batch's task contexts (no token of a held-out facts value is drawn; 0 = none)",
+                           minimum=0)
+    random_words: int = _f(12, "whole-word tokens per random text", minimum=1)
     texts: list = _f(["task"], "what the stage reads: 'task' (the training contexts), 'prose' (passages of the "
                                "background books), or task names whose contexts it reads (squad, babi:all, jsonl:PATH, "
-                               "...), each split as the task splits it; besides 'task' needs compressor.pooling=slots")
-    texts_per_source: int = _f(2000, "the most training texts read from each source besides 'task' (validation: a tenth)")
+                               "...), each split as the task splits it; besides 'task' needs a memory kind that "
+                               "reads the sender's LM (compressor.memory.kind=slots)")
+    texts_per_source: int = _f(2000, "the most training texts read from each source besides 'task' (validation: a tenth)",
+                               minimum=1)
     continuation: float = _f(0.0, "share of texts read as a continuation: the memory of a text's first half, the receiver "
-                                  "goes on with the second (0 = reconstruction only; needs compressor.pooling=slots)")
-    patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)")
+                                  "goes on with the second (0 = reconstruction only; needs a memory kind that reads "
+                                  "the sender's LM, compressor.memory.kind=slots)",
+                             minimum=0, maximum=1)
+    patience: int = _f(0, "stop after this many validations without a lower validation loss (0 = run every step)",
+                       minimum=0)
     beta: float = _f(0.0, "weight of the memory latents' KL term in the reconstruction loss; above 0 the training "
                           "memory is read from latents drawn from their posterior, a noisy channel (its mean still "
-                          "crosses in eval and the export; 0 = the mean and no KL term)")
+                          "crosses in eval and the export; 0 = the mean and no KL term)", minimum=0, maximum=MAX_WEIGHT)
     text_tokens: int = _f(0, "cut every text the stage reads into consecutive windows of this many tokens, each its "
                              "own text (a last window under half of it dropped): every slot's memory is then one the "
-                             "loss reads (0 = whole texts; needs compressor.pooling=slots)")
+                             "loss reads (0 = whole texts; needs a memory kind that reads the sender's LM, "
+                             "compressor.memory.kind=slots)",
+                          minimum=0)
 
     @property
     def enabled(self) -> bool:
@@ -339,22 +302,9 @@ class ReconstructConfig:
         return self.steps + self.token_steps > 0
 
     def __post_init__(self):
-        if self.steps < 0 or self.token_steps < 0 or self.random_texts < 0:
-            raise ValueError(f"reconstruct.steps, token_steps and random_texts must be >= 0, got {self.steps}, "
-                             f"{self.token_steps} and {self.random_texts}")
+        check_declared(self, "reconstruct.{}".format)  # types, ranges and choices as declared
         if self.token_logits not in SNAP_METRICS:
             raise ValueError(f"reconstruct.token_logits must be one of {list(SNAP_METRICS)}, got {self.token_logits!r}")
-        if self.token_weight < 0 or self.token_shape_weight < 0 or self.beta < 0:
-            raise ValueError(f"reconstruct.token_weight, token_shape_weight and beta must be >= 0, got "
-                             f"{self.token_weight}, {self.token_shape_weight} and {self.beta}")
-        for name in ("token_candidates", "random_words"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_size", "val_every_steps", "max_target_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"reconstruct.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.encoder_lr <= 0 or self.warmup_steps < 0:
-            raise ValueError("reconstruct.lr and reconstruct.encoder_lr must be > 0, reconstruct.warmup_steps >= 0")
         if not isinstance(self.texts, list) or not self.texts or not all(isinstance(t, str) and t for t in self.texts):
             raise ValueError(f"reconstruct.texts must be a non-empty list of names, got {self.texts!r}")
         from .names import unknown_task  # the standard library only
@@ -363,8 +313,6 @@ class ReconstructConfig:
             problem = None if name in ("task", "prose") else unknown_task(name)
             if problem:
                 raise ValueError(f"reconstruct.texts: {problem} (or 'task', 'prose')")
-        if self.text_tokens < 0:
-            raise ValueError(f"reconstruct.text_tokens must be >= 0, got {self.text_tokens}")
         if self.texts_per_source < 1 or self.patience < 0 or not 0 <= self.continuation <= 1:
             raise ValueError("reconstruct.texts_per_source must be >= 1, reconstruct.patience >= 0 and "
                              f"reconstruct.continuation in [0, 1], got {self.texts_per_source}, {self.patience}, "
@@ -404,7 +352,7 @@ class TrainerConfig:
     accelerator: str = _f("auto", "Lightning accelerator: auto, cpu, gpu (= cuda), mps, tpu (with torch_xla)")
     devices: Any = _f(1, "Lightning devices (an int, a list, or 'auto'); with more than one, the batch sizes are "
                          "global (each device takes batch_size / devices rows a step)")
-    num_nodes: int = _f(1, "Lightning num_nodes")
+    num_nodes: int = _f(1, "Lightning num_nodes", minimum=1)
     strategy: str = _f("auto", "Lightning strategy: auto, ddp, fsdp, ... (ranks start as processes that re-run the "
                                "command: spawn and fork strategies are refused)")
     precision: str = _f("auto", "compute precision of every forward through the LM, in training, state "
@@ -422,8 +370,7 @@ class TrainerConfig:
                                    "(it pretrains better that way: docs/results/length-groups-training)")
 
     def __post_init__(self):
-        if self.num_nodes < 1:
-            raise ValueError(f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        check_declared(self, "trainer.{}".format)  # types, ranges and choices as declared
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.accelerator == "tpu" and importlib.util.find_spec("torch_xla") is None:

@@ -3,8 +3,9 @@
     from ilcp.eval_config import EvalConfig
     cfg = EvalConfig(tasks=["babi:2"], limit=50, lengths=[], out="results/default")
 
-Every field carries its help text (``field(metadata={"help": ...})``) and `__post_init__` checks
-the values, so a bad setting is a one-line ValueError before any model loads. This module imports
+Every field is a declared setting (`ilcp.settings.setting`: help, bounds, choices) and
+`__post_init__` checks the values against the declarations, so a bad setting is a one-line
+ValueError before any model loads. This module imports
 only the standard library, `ilcp.checks`, `ilcp.names` and `ilcp.engines.build` (``ilcp-eval`` builds it before
 torch is imported); the method and task names are resolved by `evaluate`, which knows every family.
 """
@@ -15,15 +16,15 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .checks import check_key
+from .settings import declared, setting
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, EVAL_SPLITS, PAYLOAD_DTYPES, PRECISIONS, split_task_names)
 from .engines.build import DEFAULT_KV_CACHE_BYTES as DEFAULT_VLLM_KV_CACHE_BYTES
 
 
-def _f(default, help: str):
-    if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+def _f(default, help: str, **bounds):
+    """A declared setting (`ilcp.settings.setting`); a tuple default is a list per instance."""
+    return setting(list(default) if isinstance(default, tuple) else default, help, **bounds)
 
 
 def _names(value, name: str) -> list[str]:
@@ -66,33 +67,34 @@ class EvalConfig:
     methods: list = _f(list(DEFAULT_METHODS), "method names and groups (ilcp.evaluation.registry.make_method); those "
                                               "whose weights the run lacks are skipped with a note")
     split: str = _f("test", "whose questions every task asks: 'test', or 'validation' (to choose between runs or "
-                            "settings without reading the test split)")
-    limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the split (None or 0: all)")
-    latency_n: int = _f(DEFAULT_LATENCY_N, "requests timed one at a time per method and task (0: no latency)")
-    batch_size: int = _f(8, "greedy-decoding batch size of the accuracy pass")
-    max_new_tokens: int = _f(8, "answer token budget")
+                            "settings without reading the test split)", choices=EVAL_SPLITS)
+    limit: int | None = _f(DEFAULT_LIMIT, "questions per task, the first of the split (None or 0: all)", minimum=1)
+    latency_n: int = _f(DEFAULT_LATENCY_N, "requests timed one at a time per method and task (0: no latency)",
+                        minimum=0)
+    batch_size: int = _f(8, "greedy-decoding batch size of the accuracy pass", minimum=1)
+    max_new_tokens: int = _f(8, "answer token budget", minimum=1)
     lengths: list = _f(list(DEFAULT_LENGTHS), "target context lengths in tokens of the time-to-first-token sweep "
                                               "(empty: no sweep)")
-    length_n: int = _f(3, "requests per length and method in the context-length sweep")
+    length_n: int = _f(3, "requests per length and method in the context-length sweep", minimum=1)
     facts_counts: list = _f(list(DEFAULT_FACTS_COUNTS), "numbers of facts of the accuracy sweep of a facts-trained "
                                                         "run (empty: no sweep)")
-    facts_count_limit: int = _f(50, "questions per number of facts in the facts-count sweep")
-    seed: int = _f(0, "seed of the facts contexts in the context-length sweep")
+    facts_count_limit: int = _f(50, "questions per number of facts in the facts-count sweep", minimum=1)
+    seed: int = _f(0, "seed of the facts contexts in the context-length sweep", minimum=0)
     out: str | os.PathLike | None = _f(None, "folder for results.json, results.md, predictions.jsonl and the plots "
                                              "(None: nothing written)")
     device: str | None = _f(None, "where a loaded LM runs (default: cuda when available, else cpu)")
     progress: bool = _f(False, "show progress bars")
     payload_dtype: str = _f("float32", "dtype of the ilcp latent on the wire: float32, float16, bfloat16 or int8 "
-                                       "(wire and tensor bytes are those of the packed payload)")
+                                       "(wire and tensor bytes are those of the packed payload)", choices=PAYLOAD_DTYPES)
     engine: str = _f("hf", "the receiver's decoder: 'hf', or 'vllm' (every prefix decoded by HF and through one "
-                           "vLLM engine, with both engines' accuracy and their agreement)")
+                           "vLLM engine, with both engines' accuracy and their agreement)", choices=ENGINES)
     throughput_batches: list = _f([], "batch sizes of the receiver-throughput benchmark: questions per second of "
                                       "the decode of ilcp's and cold_read's prefixes, HF and (engine=vllm) vLLM "
                                       "(empty: none)")
-    throughput_n: int = _f(DEFAULT_THROUGHPUT_N, "questions of the first task decoded per throughput cell")
-    vllm_kv_cache_bytes: int = _f(DEFAULT_VLLM_KV_CACHE_BYTES, "the vLLM engine's KV cache in bytes")
+    throughput_n: int = _f(DEFAULT_THROUGHPUT_N, "questions of the first task decoded per throughput cell", minimum=1)
+    vllm_kv_cache_bytes: int = _f(DEFAULT_VLLM_KV_CACHE_BYTES, "the vLLM engine's KV cache in bytes", minimum=1)
     precision: str | None = _f(None, "compute precision of the HF forwards: 32-true, bf16-mixed or auto (None: the "
-                                     "one the run trained at)")
+                                     "one the run trained at)", choices=PRECISIONS)
     resume: bool = _f(False, "reuse the (task, method) results that an earlier evaluation of the same run with the "
                              "same settings saved under out/parts, and compute only the missing ones")
     export_key: bytes | None = field(default=None, repr=False, metadata={
@@ -110,21 +112,19 @@ class EvalConfig:
         bad = [m for m in self.tasks + self.methods if not isinstance(m, str)]
         if bad:
             raise ValueError(f"tasks and methods must be names (strings), got {bad[0]!r}")
-        if self.split not in EVAL_SPLITS:
-            raise ValueError(f"split must be one of {', '.join(EVAL_SPLITS)}, got {self.split!r}")
-        self.limit = None if self.limit in (None, 0) else _int("limit", self.limit, 1)
-        for name, low in (("latency_n", 0), ("batch_size", 1), ("max_new_tokens", 1), ("length_n", 1),
-                          ("facts_count_limit", 1), ("seed", 0), ("throughput_n", 1), ("vllm_kv_cache_bytes", 1)):
-            _int(name, getattr(self, name), low)
+        if self.limit == 0:
+            self.limit = None
+        for d in declared(self):  # the declared bounds and choices
+            value = getattr(self, d.name)
+            if value is None and d.nullable:
+                continue
+            if d.meta.get("minimum") is not None:
+                _int(d.name, value, d.meta["minimum"])
+            if d.meta.get("choices") is not None and value not in d.meta["choices"]:
+                raise ValueError(f"{d.name} must be one of {', '.join(d.meta['choices'])}, got {value!r}")
         self.throughput_batches = _ints("throughput_batches", self.throughput_batches, 1)
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         self.lengths = _ints("lengths", self.lengths, 1)
         self.facts_counts = _ints("facts_counts", self.facts_counts, 1)
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ValueError(f"payload_dtype must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         for name in ("progress", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

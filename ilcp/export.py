@@ -66,6 +66,7 @@ from .lm import LM, LMLoadError, load_lm
 from .export_integrity import CONFIG_DIGEST, SIGNATURE, check_config_digest, check_signature, file_digest, seal_config
 from .io import atomic_write_json, file_kind
 from .names import PRECISIONS
+from .weights_header import HeaderError, safetensors_shapes
 from .encoder.kinds import config_value
 
 EXPORT_FORMAT = "ilcp-export"
@@ -393,14 +394,47 @@ def read_export(path: str | Path, key: bytes | None = None) -> ExportedRun:
     run = ExportedRun(path=path, config=config)
     digests = config.get("digests")
     for name, fname in config["files"].items():
-        state = _read_weights(path, fname, digests)
         if name == "ilcp":
             run.spec = EncoderSpec.from_config(config, path / CONFIG_FILE)
+            _check_declared_shapes(run.spec, config["lm"]["hidden_size"], path / fname, path / CONFIG_FILE)
+        state = _read_weights(path, fname, digests)
+        if name == "ilcp":
             run.encoder = _build(run.spec, config["lm"]["hidden_size"], state, str(path / fname), path / CONFIG_FILE)
         else:
             shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
             run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)
     return run
+
+
+def _check_declared_shapes(spec: EncoderSpec, hidden_size: int, weights: Path, where: Path) -> None:
+    """The tensor shapes `spec` builds (counted on the meta device, nothing allocated) against the
+    header of the weights file (`ilcp.weights_header`, no tensor read): a config.json whose settings
+    disagree with its weights is refused before anything is built."""
+    if not weights.is_file():
+        return  # `_read_weights` names what is there instead
+    try:
+        found = safetensors_shapes(weights)
+    except OSError as e:
+        raise ExportError(f"{weights} cannot be read: {e}") from None
+    except HeaderError as e:
+        raise ExportError(str(e)) from None
+    try:
+        spec.check_parameters(hidden_size)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            encoder = spec._build(hidden_size)
+    except ExportError:
+        raise
+    except ValueError as e:  # settings that pass one by one but do not fit together (widths)
+        raise ExportError(f"{where}: the encoder's settings do not fit together: {e}") from None
+    expected = {f"{prefix}.{k}": tuple(v.shape) for prefix, attr in _PARTS.items()
+                if getattr(encoder, attr) is not None for k, v in getattr(encoder, attr).state_dict().items()}
+    found = {k: v for k, v in found.items() if k != _LATENT_BOUND}  # an export written before the bound has none
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise ExportError(f"{weights}: tensors do not match {where} (missing {missing[:4]}, unexpected {extra[:4]})")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ExportError(f"{weights}: tensor {name} has shape {found[name]}, but {where} declares {shape}")
 
 
 def _check_run_files(path: Path, config: dict) -> None:

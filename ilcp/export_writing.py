@@ -98,16 +98,9 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
              f"Trained with ilcp {config.get('package_version')} for the frozen LM `{lm['spec']}` "
              f"(fingerprint `{lm['fingerprint']}`, {lm.get('dtype', 'float32')}); another LM is refused.", ""]
     if spec is not None:
-        chunks, pooling = spec.memory.chunk_tokens, spec.memory.pooling_entries()
-        if pooling["kind"] == "slots":
-            per = (f"one per slot: a slot per {pooling['tokens_per_slot']} context tokens, {pooling['min_slots']} to "
-                   f"{pooling['max_slots']}" + (f", rank-{pooling['adapter_rank']} adapters on the sender"
-                                                 if pooling.get("adapter_rank") else ""))
-        else:
-            per = f"one per {chunks} context tokens" if chunks else "one per context"
-        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {pooling['kind']} pooling "
-                  f"of layers {list(spec.layers)}, latents of {spec.latent_dim} floats ({per}), each read as "
-                  f"{spec.num_memory_tokens} memory vectors."]
+        lines += [f"- ILCP encoder ({config['files'].get('ilcp')}): {spec.memory.describe()} "
+                  f"of layers {list(spec.layers)}, latents of {spec.latent_dim} floats ({spec.memory.card_unit()}), "
+                  f"each read as {spec.num_memory_tokens} memory vectors."]
     for name in BASELINES:
         if name in config.get("files", {}):
             lines.append(f"- {name} ({config['files'][name]}): {config['num_memory_tokens']} learned vectors.")

@@ -34,34 +34,29 @@ class Registered(NamedTuple):
     help: str
 
 
-class RegisteredMemoryKind(NamedTuple):
-    """One memory kind: its settings class (``"module:attribute"``, an `ilcp.encoder.kinds.MemoryKind`)
-    and the values of config.json's ``pooling.kind`` (``compressor.pooling``) it reads."""
-
-    target: str
-    pooling_kinds: tuple[str, ...]
-
-
 # the frozen LM (ilcp.lm)
 DEFAULT_LM = "smollm2-135m-instruct"
 
 # compute precision (ilcp.precision)
 PRECISIONS = ("32-true", "bf16-mixed", "auto")
 
-# the ILCP memory source (ilcp.encoder.model): the memory kinds, which `ilcp.encoder.kinds` registers in
-# this order (it asks each in turn whether a config.json's ``pooling`` object is its own)
+# the ILCP memory source (ilcp.encoder.model): the memory kinds, each a settings dataclass
+# (`ilcp.encoder.kinds.MemoryKind`) whose name is the training config's ``compressor.memory.kind``
+# and config.json's ``pooling.kind``
 MEMORY_KINDS = {
-    "pooled": RegisteredMemoryKind("ilcp.encoder.kinds:PooledMemory", ("mean", "attention")),
-    "chunked": RegisteredMemoryKind("ilcp.encoder.kinds:ChunkedMemory", ("mean", "attention")),
-    "codec": RegisteredMemoryKind("ilcp.encoder.kinds:CodecMemory", ("concat",)),
-    "slots": RegisteredMemoryKind("ilcp.encoder.slots:SlotMemory", ("slots",)),
+    "mean": Registered("ilcp.encoder.kinds:MeanMemory", "the masked mean of the token states (the spec), per context "
+                                                         "or per chunk"),
+    "attention": Registered("ilcp.encoder.kinds:AttentionMemory", "learned attention queries over the token states, "
+                                                                  "per context or per chunk"),
+    "concat": Registered("ilcp.encoder.kinds:CodecMemory", "the token codec: a chunk's token states side by side"),
+    "slots": Registered("ilcp.encoder.slot_memory:SlotMemory", "learned tokens the sender's LM reads after the "
+                                                               "context, one latent each"),
 }
 
 
-def pooling_kinds() -> tuple[str, ...]:
-    """Every ``pooling.kind`` (``compressor.pooling``) a memory kind of `MEMORY_KINDS` reads, in order."""
-    return tuple(dict.fromkeys(p for entry in MEMORY_KINDS.values() for p in entry.pooling_kinds))
-
+# where the receiver reads the memory vectors (ilcp.receiver.prompts.memory_prompt): read by the
+# sender's encoder, the export spec and the receiver alike
+MEMORY_PLACEMENTS = ("prefix", "in_prompt")
 
 VOCABULARY_SNAPS = ("none", "soft", "hard")
 SNAP_METRICS = ("cosine", "dot")  # how a snap scores the embedding rows (and the token loss its logits)

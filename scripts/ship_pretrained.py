@@ -54,7 +54,7 @@ def card(run: Path, config: dict, train_config: dict, metrics: dict, rows: list[
         "LM is refused): a slot per "
         f"{pooling['tokens_per_slot']} context tokens ({pooling['min_slots']} to {pooling['max_slots']}), read by the "
         f"sender's LM after the context with rank-{pooling.get('adapter_rank', 0)} adapters on its "
-        f"{', '.join(pooling.get('adapter_targets', c['slot_adapter_targets']))} layers; each slot's state through a "
+        f"{', '.join(pooling.get('adapter_targets', c.get('memory', {}).get('adapter_targets') or c.get('slot_adapter_targets')))} layers; each slot's state through a "
         f"beta-VAE to {config['latent_dim']} floats (beta {c['beta']}), projected to {config['num_memory_tokens']} "
         "memory vectors the receiver reads. Pretrained on text alone, never on a question.", "",
         "Start a run from it with `compressor.init_from=THIS_FOLDER`: the run's encoder settings must be these (one "

@@ -89,7 +89,7 @@ def test_the_map_reader_sees_imports_at_import_time_and_in_functions():
     assert {"ilcp.encoder.send", "ilcp.receiver.receive", "ilcp.wire.payload", "ilcp.export"} <= now
 
 
-DEFAULT = re.compile(r"`([a-z_]+)\.([a-z_]+)` \(default `([^`]*)`\)")
+DEFAULT = re.compile(r"`([a-z_]+(?:\.[a-z_]+)+)` \(default `([^`]*)`\)")
 
 
 def test_every_default_the_doc_states_is_the_config_s():
@@ -98,8 +98,11 @@ def test_every_default_the_doc_states_is_the_config_s():
     config = TrainConfig()
     stated = DEFAULT.findall(" ".join(DOC.read_text().split()))
     assert len(stated) >= 8
-    for section, key, value in stated:
-        assert str(getattr(getattr(config, section), key)) == value, f"{section}.{key}"
+    for dotted, value in stated:
+        node = config
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        assert str(node) == value, dotted
 
 
 if __name__ == "__main__":

@@ -305,8 +305,8 @@ def test_story_attention_needs_a_babilong_task_and_attention_pooling():
 
     with pytest.raises(ValueError, match="needs a BABILong task"):
         load_config(None, ["compressor.story_attention_weight=1"])
-    with pytest.raises(ValueError, match="pooling=attention"):
-        load_config(None, ["data.task=babilong:1:1k", "compressor.story_attention_weight=1", "compressor.pooling=mean"])
+    with pytest.raises(ValueError, match="memory.kind=attention without chunks"):
+        load_config(None, ["data.task=babilong:1:1k", "compressor.story_attention_weight=1", "compressor.memory.kind=mean"])
     with pytest.raises(ValueError, match=">= 0"):
         load_config(None, ["compressor.pooler_lr=-1"])
 

@@ -51,7 +51,7 @@ def test_chunked_encoder_gives_one_latent_and_k_vectors_per_chunk():
 def chunked_run(tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("chunked-run")
     cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "handoff.variants=[ilcp]",
-                             "compressor.chunk_tokens=4", "compressor.answer_head_weight=0",
+                             "compressor.memory.chunk_tokens=4", "compressor.answer_head_weight=0",
                              "compressor.latent_dim=16", "reconstruct.steps=2", "reconstruct.val_every_steps=2"])
     return cfg, train(cfg, lm=tiny_lm)
 
@@ -107,5 +107,5 @@ def test_a_wide_chunked_payload_round_trips_the_wire_format(chunked_run, tiny_lm
 
 
 def test_chunks_with_the_answer_head_are_a_config_error():
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        load_config(TINY, ["compressor.chunk_tokens=8", "compressor.answer_head_weight=1"])
+    with pytest.raises(ValueError, match="answer_head_weight > 0 reads one latent per context"):
+        load_config(TINY, ["compressor.memory.chunk_tokens=8", "compressor.answer_head_weight=1"])

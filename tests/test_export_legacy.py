@@ -2,7 +2,7 @@
 
 tests/data/exports/legacy-num-queries/ is configs/tiny.yaml's export as the code of commit e952c78
 wrote it (its README.md says how): ``pooling.num_queries`` where exports now write
-``pooling.pool_queries`` (``compressor.pool_queries`` in the training config). It must keep
+``pooling.pool_queries`` (``compressor.memory.pool_queries`` in the training config). It must keep
 loading, unedited and with its digests, into the same encoder and send the same latent.
 """
 
@@ -16,7 +16,7 @@ from ilcp.encoder.spec import EncoderSpec
 from ilcp.export import ExportError, read_config, read_export
 from ilcp.export_integrity import file_digest
 from ilcp.handoff import ILCPHandoff
-from ilcp.encoder.kinds import PooledMemory, memory_kind_for
+from ilcp.encoder.kinds import AttentionMemory, memory_kind_for
 
 LEGACY = Path(__file__).resolve().parent / "data" / "exports" / "legacy-num-queries"
 CONTEXT, QUESTION = "Mary moved to the hallway. John went to the garden.", "Where is John?"
@@ -35,7 +35,7 @@ def test_the_kept_export_names_its_queries_the_old_way_and_its_digests_hold():
 def test_a_legacy_export_reads_into_its_settings():
     run = read_export(LEGACY)
     spec = run.spec
-    assert spec.memory == PooledMemory("attention", 4) and run.encoder.pooler.num_queries == 4
+    assert spec.memory == AttentionMemory(pool_queries=4) and run.encoder.pooler.num_queries == 4
     assert (spec.layers, spec.max_length) == ((-1,), 4096)  # the LM's limit it recorded, not a default
     assert (spec.latent_dim, spec.num_memory_tokens, spec.input_dim, spec.hidden_dim) == (8, 2, 256, 32)
     assert (spec.beta, spec.projector_hidden, spec.memory_placement, spec.vocabulary_snap) == (0.1, 32, "prefix", "none")
@@ -62,17 +62,17 @@ def test_a_legacy_export_sends_and_receives_as_the_code_that_wrote_it(tiny_lm, t
 
 def test_a_new_export_names_its_queries_as_the_training_config_does(tiny_run):
     config = read_config(tiny_run.run_dir)
-    assert tiny_run.cfg.compressor.pooling == "attention"
-    assert config["pooling"]["pool_queries"] == tiny_run.cfg.compressor.pool_queries
+    assert tiny_run.cfg.compressor.memory.kind == "attention"
+    assert config["pooling"]["pool_queries"] == tiny_run.cfg.compressor.memory.pool_queries
     assert "num_queries" not in config["pooling"]
-    assert read_export(tiny_run.run_dir).spec.memory == PooledMemory("attention", tiny_run.cfg.compressor.pool_queries)
+    assert read_export(tiny_run.run_dir).spec.memory == AttentionMemory(pool_queries=tiny_run.cfg.compressor.memory.pool_queries)
 
 
 def test_both_names_at_once_are_refused(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         memory_kind_for({"kind": "attention", "pool_queries": 4, "num_queries": 4})
-    assert memory_kind_for({"kind": "attention", "num_queries": 3}) == PooledMemory("attention", 3)
-    assert memory_kind_for({"kind": "attention", "pool_queries": 3}) == PooledMemory("attention", 3)
+    assert memory_kind_for({"kind": "attention", "num_queries": 3}) == AttentionMemory(pool_queries=3)
+    assert memory_kind_for({"kind": "attention", "pool_queries": 3}) == AttentionMemory(pool_queries=3)
     config = json.loads((LEGACY / "config.json").read_text())
     config["pooling"]["pool_queries"] = 4
     with pytest.raises(ExportError, match="names its queries twice"):

@@ -23,9 +23,9 @@ from ilcp.encoder import kinds as memory_kinds
 from ilcp.encoder.spec import EncoderSpec
 from ilcp.export import ExportError, build_encoder, encoder_state, read_config, read_export
 from ilcp.export_writing import save_encoder
-from ilcp.encoder.kinds import (ChunkedMemory, CodecMemory, PooledMemory, config_value, memory_kind_for,
+from ilcp.encoder.kinds import (AttentionMemory, CodecMemory, MeanMemory, MemoryKind, memory_kind_for,
                                register_memory_kind)
-from ilcp.names import pooling_kinds
+from ilcp.settings import setting
 from ilcp.export_integrity import redigest
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -62,21 +62,21 @@ def test_an_export_written_before_the_spec_loads_into_the_same_encoder():
     assert sorted(state) == sorted(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
     assert set(run.soft_prompts) == {"prompt_tuned", "cold_read_tuned"}
     spec = EncoderSpec.from_config(config, KEPT / "config.json")
-    assert spec.memory == PooledMemory("attention", 4) and run.spec == spec
+    assert spec.memory == AttentionMemory(pool_queries=4) and run.spec == spec
     assert "num_queries" in config["pooling"] and spec.to_config()["pooling"]["pool_queries"] == 4
     assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(_renamed(config))  # key for key
     assert EncoderSpec.from_encoder(encoder, spec.layers, spec.max_length) == spec
 
 
 @pytest.mark.parametrize("name, memory", [
-    ("chunked", ChunkedMemory("attention", 4, chunk_tokens=4)),
+    ("chunked", AttentionMemory(pool_queries=4, chunk_tokens=4)),
     ("codec", CodecMemory(4)),
-    ("snap", PooledMemory("attention", 4)),
+    ("snap", AttentionMemory(pool_queries=4)),
 ])
 def test_kept_configs_of_each_kind_rebuild_and_write_back_unchanged(name, memory):
     config = _kept_config(name)
     spec = EncoderSpec.from_config(config, f"{name}/config.json")
-    assert spec.memory == memory and memory.name == {"snap": "pooled"}.get(name, name)
+    assert spec.memory == memory and memory.kind == {"snap": "attention", "chunked": "attention", "codec": "concat"}[name]
     assert json.dumps(spec.to_config(), sort_keys=True) == _encoder_entries(_renamed(config))
     hidden = config["lm"]["hidden_size"]
     encoder = spec.build(hidden)
@@ -102,16 +102,17 @@ def test_the_tiny_run_writes_what_the_spec_writes(tiny_run):
 
 
 def test_the_registry_holds_the_four_kinds_and_reads_what_names_lists():
-    assert list(memory_kinds.memory_kinds()) == ["pooled", "chunked", "codec", "slots"]
-    assert memory_kinds.pooling_kinds() == pooling_kinds() == ("mean", "attention", "concat", "slots")
-    assert memory_kind_for({"kind": "mean"}) == PooledMemory("mean")
-    assert memory_kind_for({"kind": "mean", "chunk_tokens": 0}) == PooledMemory("mean")
-    assert memory_kind_for({"kind": "mean", "chunk_tokens": 3}) == ChunkedMemory("mean", chunk_tokens=3)
+    assert list(memory_kinds.memory_kinds()) == ["mean", "attention", "concat", "slots"]
+    assert memory_kind_for({"kind": "mean"}) == MeanMemory()
+    assert memory_kind_for({"kind": "mean", "chunk_tokens": 0}) == MeanMemory()
+    assert memory_kind_for({"kind": "mean", "chunk_tokens": 3}) == MeanMemory(chunk_tokens=3)
+    assert memory_kind_for({}) == MeanMemory()  # the oldest exports name no kind: the mean
+    assert memory_kind_for({"kind": "attention", "num_queries": 2}) == AttentionMemory(pool_queries=2)
     with pytest.raises(ValueError, match="already registered"):
         @register_memory_kind
         @dataclass(frozen=True)
-        class Other(PooledMemory):
-            name: ClassVar[str] = "pooled"
+        class Other(MeanMemory):
+            kind: ClassVar[str] = "mean"
 
 
 def test_a_new_kind_is_one_registered_dataclass(monkeypatch):
@@ -119,33 +120,25 @@ def test_a_new_kind_is_one_registered_dataclass(monkeypatch):
 
     @register_memory_kind
     @dataclass(frozen=True)
-    class StridedMemory(CodecMemory):
-        """Codec chunks, recorded under a pooling kind of their own."""
+    class StridedMemory(MemoryKind):
+        """Codec chunks, recorded under a kind of their own: only its settings and its pooler."""
 
-        name: ClassVar[str] = "strided"
-        pooling_kinds: ClassVar[tuple[str, ...]] = ("strided",)
+        kind: ClassVar[str] = "strided"
+        chunk_tokens: int = setting(2, "tokens per chunk", minimum=1)
 
-        @classmethod
-        def claims(cls, pooling):
-            return pooling.get("kind") == "strided"
-
-        @classmethod
-        def from_pooling(cls, pooling):
-            return cls(config_value({"pooling": pooling}, "pooling.chunk_tokens", int, minimum=1))
-
-        def pooling_entries(self):
-            return {"kind": "strided", "chunk_tokens": self.chunk_tokens}
-
-        @classmethod
-        def from_encoder(cls, encoder):
-            return None  # its encoders read as codecs; from_config is what this test reads
+        def pooler(self, state_dim, hidden_size=None):
+            return CodecMemory(self.chunk_tokens).pooler(state_dim)
 
     config = _kept_config("codec")
     config["pooling"]["kind"] = "strided"
     spec = EncoderSpec.from_config(config)
-    assert isinstance(spec.memory, StridedMemory) and spec.to_config()["pooling"]["kind"] == "strided"
-    assert spec.build(64).chunk_tokens == 4
-    assert "strided" in memory_kinds.pooling_kinds()
+    assert spec.memory == StridedMemory(4) and spec.to_config()["pooling"]["kind"] == "strided"
+    encoder = spec.build(64)
+    assert encoder.chunk_tokens == 4 and EncoderSpec.from_encoder(encoder, spec.layers, spec.max_length) == spec
+    assert "strided" in memory_kinds.memory_kinds()
+    config["pooling"]["chunk_tokens"] = 0
+    with pytest.raises(ExportError, match="'pooling.chunk_tokens' must be >= 1"):
+        EncoderSpec.from_config(config)
 
 
 BAD = {
@@ -184,7 +177,7 @@ def test_a_spec_checks_its_values_when_built_in_code():
     with pytest.raises(ValueError, match="latent_dim"):
         replace(spec, latent_dim=0)
     with pytest.raises(ValueError, match="pool_queries"):
-        replace(spec, memory=PooledMemory("attention", 0))
+        replace(spec, memory=AttentionMemory(pool_queries=0))  # the kind checks its own settings
     with pytest.raises(ValueError, match="memory kind"):
         replace(spec, memory="attention")
     assert replace(spec, layers=[0, -1]).layers == (0, -1)

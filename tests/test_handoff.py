@@ -14,7 +14,7 @@ from ilcp.encoder.model import ILCPEncoder
 from ilcp.export import ExportError, read_export
 from ilcp.handoff import ILCPHandoff
 from ilcp.lm import LM, TINY_LM, build_tiny_qwen3, load_lm
-from ilcp.encoder.kinds import PooledMemory
+from ilcp.encoder.kinds import MeanMemory
 from ilcp.receiver.prompts import question_prompt
 from ilcp.training import train
 from ilcp.training.extraction import pooled_states, token_states
@@ -218,7 +218,7 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     from ilcp.encoder.pooling import pad_token_states
 
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "compressor.pooling=attention", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
+                             "compressor.memory.kind=attention", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
                              "handoff.encoder_lr=0.01"])
     result = train(cfg, lm=tiny_lm)
     handoff = ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
@@ -245,10 +245,10 @@ def test_attention_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
 
 def test_mean_pooled_run_sends_what_training_computed(tmp_path, tiny_lm):
     cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}",
-                             "compressor.pooling=mean", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]"])
+                             "compressor.memory.kind=mean", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]"])
     run_dir = train(cfg, lm=tiny_lm).run_dir
     handoff = ILCPHandoff.from_pretrained(run_dir, lm=tiny_lm)
-    assert handoff.encoder.pooler is None and handoff.spec.memory == PooledMemory("mean")
+    assert handoff.encoder.pooler is None and handoff.spec.memory == MeanMemory()
     z, expected_prefix = modules_directly(run_dir, tiny_lm, CONTEXTS[1], QUESTIONS[1])
     payload = handoff.send(CONTEXTS[1])
     torch.testing.assert_close(payload.latent, z[0], rtol=1e-5, atol=1e-5)

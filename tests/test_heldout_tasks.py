@@ -76,7 +76,7 @@ def test_held_out_removes_exactly_the_named_tasks():
     assert held_out(resolve_task("babi:1+2"), []).name == "babi:1+2"
 
 
-SLOTS_PRETRAINING = ["compressor.pooling=slots", "compressor.answer_head_weight=0", "reconstruct.steps=2"]
+SLOTS_PRETRAINING = ["compressor.memory.kind=slots", "compressor.answer_head_weight=0", "reconstruct.steps=2"]
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -134,7 +134,7 @@ def _train_spied(tmp_path, tiny_lm, name: str, overrides: list[str]):
         return wrapped
 
     cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", f"run_name={name}",
-                                    "data.task=babi:1+2", "compressor.pooling=slots", "compressor.answer_head_weight=0",
+                                    "data.task=babi:1+2", "compressor.memory.kind=slots", "compressor.answer_head_weight=0",
                                     "reconstruct.steps=2", "reconstruct.val_every_steps=2",
                                     "reconstruct.texts=[task,prose]", "reconstruct.texts_per_source=4",
                                     *overrides])
@@ -241,7 +241,7 @@ def test_pretraining_texts_may_not_read_a_held_out_task(texts, message, tmp_path
     from ilcp.training import train
 
     cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", "data.task=babi:1+2", "data.heldout_tasks=[babi:2]",
-                                    "compressor.pooling=slots", "compressor.answer_head_weight=0",
+                                    "compressor.memory.kind=slots", "compressor.answer_head_weight=0",
                                     "reconstruct.steps=2", f"reconstruct.texts={texts}"])
     with pytest.raises(ValueError, match=message):
         train(cfg, lm=tiny_lm)

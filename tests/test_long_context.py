@@ -56,7 +56,7 @@ def test_extraction_reads_long_contexts_whole_and_one_at_a_time(tiny_lm, monkeyp
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("long-run")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.chunk_tokens=256",
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.memory.chunk_tokens=256",
                              "compressor.answer_head_weight=0", "handoff.variants=[ilcp]"])
     assert cfg.data.max_length == 0  # the default: the LM's own limit
     return train(cfg, lm=tiny_lm)

@@ -9,8 +9,8 @@ from tests.conftest import raw_weight_digest
 
 mo = load_benchmark("memory_overfit")
 
-SLOTS = ["compressor.pooling=slots", "compressor.chunk_tokens=0", "compressor.answer_head_weight=0",
-         "compressor.tokens_per_slot=4", "compressor.slot_adapter_rank=2", "handoff.num_memory_tokens=2"]
+SLOTS = ["compressor.memory.kind=slots", "compressor.answer_head_weight=0",
+         "compressor.memory.tokens_per_slot=4", "compressor.memory.adapter_rank=2", "handoff.num_memory_tokens=2"]
 
 
 def tiny_setup(tiny_lm, overrides=()):
@@ -52,4 +52,4 @@ def test_the_command_writes_every_memory_at_the_encoders_k(tiny_lm, tmp_path, ca
 def test_a_config_without_slots_is_refused_in_one_line(tiny_lm, tmp_path, capsys):
     rc = mo.main(["--config", str(REPO / "configs" / "tiny.yaml"), "--length", "8", "--texts", "1", "--steps", "1",
                   "--memories", "encoder", "--out", str(tmp_path)], lm=tiny_lm)
-    assert rc == 2 and "memory_overfit: compressor.pooling is" in capsys.readouterr().err
+    assert rc == 2 and "memory_overfit: compressor.memory.kind is" in capsys.readouterr().err

@@ -14,9 +14,9 @@ from ilcp.config import load_config
 from ilcp.encoder.spec import EncoderSpec, ExportError
 from ilcp.handoff import ILCPHandoff
 from ilcp.encoder.kinds import memory_kind_for
+from ilcp.encoder.slot_memory import SlotMemory
 from ilcp.encoder.slots import (
     SlotEncoder,
-    SlotMemory,
     SlotTokens,
     slot_counts,
     slot_states,
@@ -28,8 +28,8 @@ TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 REPO = TINY_CONFIG.parent.parent
 
-SLOTS = ["compressor.pooling=slots", "compressor.answer_head_weight=0", "compressor.tokens_per_slot=8",
-         "compressor.min_slots=2", "compressor.max_slots=12", "handoff.variants=[ilcp]"]
+SLOTS = ["compressor.memory.kind=slots", "compressor.answer_head_weight=0", "compressor.memory.tokens_per_slot=8",
+         "compressor.memory.min_slots=2", "compressor.memory.max_slots=12", "handoff.variants=[ilcp]"]
 SHORT = "Mary went to the kitchen."
 LONG = " ".join(["John moved to the garden."] * 12)
 
@@ -112,28 +112,28 @@ def test_the_sender_groups_contexts_by_length_and_gives_what_one_padded_forward_
 def test_the_settings_round_trip_and_bad_ones_are_refused():
     kind = memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "min_slots": 2, "max_slots": 32})
     assert kind == SlotMemory(16, 2, 32)
-    assert memory_kind_for(kind.pooling_entries()) == kind
+    assert memory_kind_for(kind.entries()) == kind
     with pytest.raises(ValueError, match="'pooling.max_slots'"):
         memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "min_slots": 4, "max_slots": 2})
     with pytest.raises(ValueError, match="missing 'pooling.min_slots'"):
         memory_kind_for({"kind": "slots", "tokens_per_slot": 16, "max_slots": 2})
     with pytest.raises(ValueError, match="answer_head_weight=0"):
-        load_config(TINY_CONFIG, ["compressor.pooling=slots"])
+        load_config(TINY_CONFIG, ["compressor.memory.kind=slots"])
     with pytest.raises(ValueError, match="finetune_encoder=true"):
         load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false"])
     # slots trained before the answer stage may stay frozen in it
     assert not load_config(TINY_CONFIG, SLOTS + ["handoff.finetune_encoder=false", "reconstruct.steps=2"]
                            ).handoff.finetune_encoder
-    with pytest.raises(ValueError, match="not memory slots"):
+    with pytest.raises(ValueError, match="a chunk of tokens"):
         load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2", "reconstruct.token_weight=1"])
-    with pytest.raises(ValueError, match="need compressor.pooling=slots"):
+    with pytest.raises(ValueError, match="reads the sender's LM \\(compressor.memory.kind=slots\\)"):
         load_config(TINY_CONFIG, ["reconstruct.steps=2", "reconstruct.texts=[task,prose]"])
     with pytest.raises(ValueError, match="reconstruct.texts: .*'nonsense'"):
         load_config(TINY_CONFIG, SLOTS + ["reconstruct.steps=2", "reconstruct.texts=[task,nonsense]"])
     with pytest.raises(ValueError, match="reconstruct.continuation"):
         load_config(TINY_CONFIG, SLOTS + ["reconstruct.continuation=1.5"])
     with pytest.raises(ValueError, match="max_slots"):
-        load_config(TINY_CONFIG, SLOTS + ["compressor.min_slots=20"])
+        load_config(TINY_CONFIG, SLOTS + ["compressor.memory.min_slots=20"])
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +318,7 @@ def test_a_run_with_adapters_exports_them_under_its_digests(tmp_path, tiny_lm):
     from ilcp.training import train
 
     cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "run_name=lora",
-                                    *SLOTS, "compressor.slot_adapter_rank=2"])
+                                    *SLOTS, "compressor.memory.adapter_rank=2"])
     result = train(cfg, lm=tiny_lm)
     config = json.loads((result.run_dir / "config.json").read_text())
     assert config["pooling"]["adapter_rank"] == 2
@@ -335,8 +335,8 @@ def test_a_run_with_adapters_exports_them_under_its_digests(tmp_path, tiny_lm):
     save_file(state, str(result.run_dir / "model.safetensors"), {"format": "pt"})
     with pytest.raises(ExportError, match="model.safetensors"):
         ILCPHandoff.from_pretrained(result.run_dir, lm=tiny_lm)
-    with pytest.raises(ValueError, match="needs compressor.pooling=slots"):
-        load_config(TINY_CONFIG, ["compressor.slot_adapter_rank=2"])
+    with pytest.raises(ValueError, match="adapter_rank is not a setting of memory kind 'attention'"):
+        load_config(TINY_CONFIG, ["compressor.memory.adapter_rank=2"])
 
 
 def test_the_sender_benchmark_times_both_routes_and_they_agree(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 from ilcp import cli, names
 from ilcp.config import load_config
 from ilcp.config_sections import CompressorConfig, HandoffConfig
-from ilcp.names import Registered, RegisteredMemoryKind, resolve
+from ilcp.names import Registered, resolve
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ilcp"
 REGISTRY = PACKAGE / "names.py"
@@ -75,20 +75,16 @@ def test_every_method_family_and_group_resolves_to_what_the_registry_makes():
         assert evaluation.expand_method_names([group]) == list(groups[group])
 
 
-def test_every_memory_kind_resolves_to_the_class_that_reads_its_pooling_kinds():
+def test_every_memory_kind_resolves_to_the_class_named_by_its_entry():
     from ilcp.encoder import kinds as memory_kinds
 
     registered = memory_kinds.memory_kinds()
-    assert list(registered) == list(names.MEMORY_KINDS)
+    assert list(registered) == list(names.MEMORY_KINDS) == ["mean", "attention", "concat", "slots"]
     for name, entry in names.MEMORY_KINDS.items():
-        assert registered[name] is resolve(entry.target)
-        assert registered[name].name == name and registered[name].pooling_kinds == entry.pooling_kinds
-        for pooling in entry.pooling_kinds:
-            chunks = 4 if name in ("chunked", "codec") else 0  # the kinds that cut chunks
-            claims = [n for n, cls in registered.items() if cls.claims({"kind": pooling, "chunk_tokens": chunks})]
-            assert claims[0] == name
-            assert CompressorConfig(pooling=pooling, chunk_tokens=chunks, answer_head_weight=0.0).pooling == pooling
-    assert memory_kinds.pooling_kinds() == names.pooling_kinds() == ("mean", "attention", "concat", "slots")
+        assert registered[name] is resolve(entry.target) and registered[name].kind == name
+        assert memory_kinds.memory_kind_for({"kind": name, **registered[name]().entries()}) == registered[name]()
+        config = CompressorConfig(memory=registered[name](), answer_head_weight=0.0)
+        assert config.memory.kind == name
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,12 +114,24 @@ def test_a_new_method_family_or_group_is_one_entry(monkeypatch, tmp_path):
     assert args.methods == ["summary", "hints:short", "summaries"]
 
 
-def test_a_new_memory_kind_is_one_entry(monkeypatch):
-    with pytest.raises(ValueError, match="compressor.pooling must be one of"):
-        CompressorConfig(pooling="recurrent")
-    monkeypatch.setitem(names.MEMORY_KINDS, "recurrent", RegisteredMemoryKind("mine.memory:Recurrent", ("recurrent",)))
-    assert CompressorConfig(pooling="recurrent").pooling == "recurrent"
-    assert names.pooling_kinds()[-1] == "recurrent"
+def test_a_new_memory_kind_is_one_entry(monkeypatch, tmp_path):
+    from ilcp.config import load_config
+
+    with pytest.raises(ValueError, match="compressor.memory.kind must be one of"):
+        load_config(None, ["compressor.memory.kind=recurrent"])
+    module = tmp_path / "mine_recurrent.py"
+    module.write_text("from dataclasses import dataclass\nfrom typing import ClassVar\n"
+                      "from ilcp.encoder.kinds import MemoryKind\nfrom ilcp.settings import setting\n\n"
+                      "@dataclass(frozen=True)\nclass Recurrent(MemoryKind):\n"
+                      "    kind: ClassVar[str] = 'recurrent'\n"
+                      "    state_slots: int = setting(4, 'state vectors', minimum=1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(names.MEMORY_KINDS, "recurrent", Registered("mine_recurrent:Recurrent", "a memory of mine"))
+    cfg = load_config(None, ["compressor.memory.kind=recurrent", "compressor.memory.state_slots=2",
+                             "compressor.answer_head_weight=0"])
+    assert (cfg.compressor.memory.kind, cfg.compressor.memory.state_slots) == ("recurrent", 2)
+    with pytest.raises(ValueError, match="compressor.memory.state_slots must be >= 1"):
+        load_config(None, ["compressor.memory.kind=recurrent", "compressor.memory.state_slots=0"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +161,7 @@ def kinds() -> dict[str, set[str]]:
     return {
         "selectors": set(names.SELECTORS),
         "methods": {*names.METHODS, *names.METHOD_FAMILIES, *names.METHOD_GROUPS},
-        "memory kinds": {*names.MEMORY_KINDS, *names.pooling_kinds()},
+        "memory kinds": set(names.MEMORY_KINDS),
     }
 
 

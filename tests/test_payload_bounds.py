@@ -20,8 +20,8 @@ from ilcp.engines.vllm import VLLMReceiver
 from ilcp.export import ExportError, encoder_state, read_config, read_export, sign_export
 from ilcp.export_integrity import file_digest
 from ilcp.handoff import ILCPHandoff
-from ilcp.encoder.kinds import ChunkedMemory
-from ilcp.encoder.slots import SlotMemory
+from ilcp.encoder.kinds import AttentionMemory
+from ilcp.encoder.slot_memory import SlotMemory
 from ilcp.encoder.projector import GatedLatentToMemoryProjector
 from ilcp.training import data as training_data
 from ilcp.training.data import HandoffRows, latent_bound
@@ -102,7 +102,7 @@ ONE_QUESTION = {
 
 def test_the_default_limit_is_what_one_context_gives(handoff, tiny_run, tiny_lm):
     assert handoff.max_payload_latents == handoff.max_chunks == 1  # one latent per context
-    chunked = built(tiny_run, tiny_lm, ChunkedMemory("attention", 4, chunk_tokens=4))
+    chunked = built(tiny_run, tiny_lm, AttentionMemory(pool_queries=4, chunk_tokens=4))
     assert chunked.max_payload_latents == chunked.max_chunks == -(-chunked.max_length // 4)
     slots = built(tiny_run, tiny_lm, SlotMemory(8, 2, 12))
     assert slots.max_payload_latents == slots.max_chunks == 12  # max_slots
@@ -141,7 +141,7 @@ def test_a_payload_of_100000_latents_for_one_question_never_reaches_projection_o
 
 @pytest.mark.parametrize("entry", list(ONE_QUESTION))
 def test_every_receiver_counts_latents_per_question(entry, tiny_run, tiny_lm, monkeypatch):
-    h = built(tiny_run, tiny_lm, ChunkedMemory("attention", 4, chunk_tokens=4), max_payload_latents=8)
+    h = built(tiny_run, tiny_lm, AttentionMemory(pool_queries=4, chunk_tokens=4), max_payload_latents=8)
     wire = wire_of(h, torch.zeros(1, 9, h.latent_dim))  # 9 chunks: within max_chunks, over the setting
     never_projected(monkeypatch, h)
     with pytest.raises(PayloadError) as info:
@@ -152,7 +152,7 @@ def test_every_receiver_counts_latents_per_question(entry, tiny_run, tiny_lm, mo
 
 
 def test_a_chunked_payload_of_many_contexts_is_bounded_in_all(tiny_run, tiny_lm, monkeypatch):
-    h = built(tiny_run, tiny_lm, ChunkedMemory("attention", 4, chunk_tokens=4))
+    h = built(tiny_run, tiny_lm, AttentionMemory(pool_queries=4, chunk_tokens=4))
     wire = wire_of(h, torch.zeros(3, 1000, h.latent_dim))  # each context within max_chunks
     with pytest.raises(PayloadError, match=f"3000 latents; .* at most {h.max_chunks} "):
         h.memory_vectors(wire)

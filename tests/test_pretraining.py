@@ -22,7 +22,7 @@ from ilcp.training.data import latent_bound
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN, GPU = REPO / "configs" / "pretrain.yaml", REPO / "configs" / "pretrain-gpu.yaml"
 TINY = ["lm.spec=tiny-qwen3", "data.train_size=26", "data.val_size=13", "compressor.hidden_dim=32",
-        "compressor.latent_dim=8", "compressor.slot_adapter_rank=2", "reconstruct.steps=4",
+        "compressor.latent_dim=8", "compressor.memory.adapter_rank=2", "reconstruct.steps=4",
         "reconstruct.val_every_steps=2", "reconstruct.texts_per_source=8", "reconstruct.max_target_tokens=16",
         "handoff.projector_hidden=32", "trainer.precision=32-true", "trainer.progress=false"]
 TEXT = "Mary went to the kitchen. John took the apple there. " * 3
@@ -287,7 +287,7 @@ def test_text_windows_need_memory_slots(tmp_path):
 
 
 def test_a_negative_reconstruct_beta_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="token_shape_weight and beta must be >= 0, got 0.0, 1.0 and -0.1"):
+    with pytest.raises(ValueError, match="reconstruct.beta must be >= 0, got -0.1"):
         _tiny(tmp_path, extra=["reconstruct.beta=-0.1"])
 
 

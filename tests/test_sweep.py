@@ -199,8 +199,8 @@ def test_shipped_sweeps_resolve(name, tmp_path):
     assert {"cold_read", "cold_read_tuned", "prompt_tuned"} <= set(sweep.reference.methods)
     assert any(p.payload_dtype == "int8" for p in sweep.points)
     configs = [sweep.configs[p.run] for p in sweep.points]
-    assert any(c.compressor.chunk_tokens > 0 for c in configs)
-    assert len({(c.compressor.latent_dim, c.compressor.chunk_tokens) for c in configs}) >= 2
+    assert any(c.compressor.memory.chunk_tokens > 0 for c in configs)
+    assert len({(c.compressor.latent_dim, c.compressor.memory.chunk_tokens) for c in configs}) >= 2
 
 
 def test_the_facts_sweep_has_the_promised_points():
@@ -209,10 +209,10 @@ def test_the_facts_sweep_has_the_promised_points():
     dtype = {p.name: p.payload_dtype for p in sweep.points}
     assert all(c.data.task == "facts" and c.data.facts_value_split == "train" for c in sweep.configs.values())
     spec = cfg["spec-32"]
-    assert (spec.compressor.pooling, spec.compressor.latent_dim, spec.compressor.chunk_tokens) == ("mean", 32, 0)
+    assert (spec.compressor.memory.kind, spec.compressor.latent_dim, spec.compressor.memory.chunk_tokens) == ("mean", 32, 0)
     assert not spec.handoff.finetune_encoder and spec.compressor.answer_head_weight == 0
     chunked = cfg["chunk12-64"].compressor
-    assert (chunked.chunk_tokens, chunked.latent_dim) == (12, 64)
+    assert (chunked.memory.chunk_tokens, chunked.latent_dim) == (12, 64)
     assert cfg["chunk12-64-int8"] is cfg["chunk12-64"] and dtype["chunk12-64-int8"] == "int8"
     codec = cfg["codec4-128"]  # the token codec of configs/facts-codec.yaml, on the sweep's 4-fact task
     own = load_config(REPO / "configs" / "facts-codec.yaml")
@@ -256,7 +256,7 @@ BASE = {"name": "bad", "base": str(REPO / "configs" / "tiny.yaml"),
     ({"points": [{"name": "a", "overrides": ["run_name=x"]}]}, "set by the sweep"),
     ({"points": [{"name": "a", "overrides": ["latent_dim"]}]}, "key=value"),
     ({"points": [{"name": "a", "overrides": ["compressor.latent_dim=0"]}]}, "compressor.latent_dim must be >= 1"),
-    ({"points": [{"name": "a", "overrides": ["compressor.chunk_tokens=4"]}]}, "answer_head_weight=0"),
+    ({"points": [{"name": "a", "overrides": ["compressor.memory.chunk_tokens=4"]}]}, "answer_head_weight=0"),
     ({"points": [{"name": "a", "overrides": ["compressor.nope=1"]}]}, "unknown config field"),
     ({"points": [{"name": "a", "overrides": ["compressor.latent_dim=4"]},
                  {"name": "b", "run": "a", "overrides": ["compressor.latent_dim=8"], "payload_dtype": "int8"}]},
@@ -300,13 +300,13 @@ def test_override_forms_and_a_reference_without_weights(tmp_path):
     path.write_text(yaml.safe_dump({
         **BASE, "overrides": "compressor.beta=0.2 handoff.max_steps=3",
         "reference": {"methods": ["cold_read", "no_context"]},
-        "points": [{"name": "a", "overrides": {"compressor.latent_dim": 12, "compressor.pooling": "mean",
+        "points": [{"name": "a", "overrides": {"compressor.latent_dim": 12, "compressor.memory.kind": "mean",
                                                "handoff.finetune_encoder": False}}],
     }))
     sweep = payload_sweep.load_sweep(path, extra=["handoff.batch_size=2"])
     cfg = sweep.configs["a"]
     assert (cfg.compressor.beta, cfg.handoff.max_steps, cfg.handoff.batch_size) == (0.2, 3, 2)
-    assert (cfg.compressor.latent_dim, cfg.compressor.pooling, cfg.handoff.finetune_encoder) == (12, "mean", False)
+    assert (cfg.compressor.latent_dim, cfg.compressor.memory.kind, cfg.handoff.finetune_encoder) == (12, "mean", False)
     assert sweep.reference.run is None and list(sweep.configs) == ["a"]
     assert schema.eval_entries(sweep)[0].run == "a"
 

@@ -23,7 +23,7 @@ from ilcp.export_integrity import redigest
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 CONTEXTS = ["Cedar is owned by Alice.", "Maple is owned by Bruno.", "Willow is owned by Chen.",
             "John went to the garden. Mary is in the hall."]
-CODEC = ["compressor.chunk_tokens=4", "compressor.pooling=concat", "compressor.answer_head_weight=0",
+CODEC = ["compressor.memory.chunk_tokens=4", "compressor.memory.kind=concat", "compressor.answer_head_weight=0",
          "handoff.num_memory_tokens=4"]
 
 
@@ -44,8 +44,9 @@ def test_concat_pooler_keeps_each_token_in_its_place_and_zeros_padding():
 def test_concat_pooling_needs_chunks_of_its_size():
     with pytest.raises(ValueError, match="concat pooling reads chunks of 4"):
         ILCPEncoder(BetaVAE(12, 8, 16), pooler=ConcatPooler(3, 4), chunk_tokens=2)
-    with pytest.raises(ValueError, match="chunk_tokens >= 1"):
-        load_config(TINY_CONFIG, ["compressor.pooling=concat", "compressor.answer_head_weight=0"])
+    with pytest.raises(ValueError, match="compressor.memory.chunk_tokens must be >= 1"):
+        load_config(TINY_CONFIG, ["compressor.memory.kind=concat", "compressor.memory.chunk_tokens=0",
+                                  "compressor.answer_head_weight=0"])
 
 
 def test_the_token_loss_needs_one_memory_vector_per_chunk_token():

@@ -10,7 +10,7 @@ from ilcp import training
 from ilcp.config import TrainConfig, load_config
 from ilcp.export import ExportError, check_fingerprint, read_export
 from ilcp.encoder.model import ILCPEncoder
-from ilcp.encoder.kinds import PooledMemory
+from ilcp.encoder.kinds import AttentionMemory
 from ilcp.training import HandoffModule, make_memory_source, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,8 +133,8 @@ def test_every_shipped_config_parses(path):
         ("handoff.lr=fast", "handoff.lr"),
         ("handoff.unknown=1", "handoff.unknown"),
         ("data.val_decode_size=500", "data.val_decode_size"),
-        ("compressor.pooling=max", "compressor.pooling"),
-        ("compressor.pool_queries=0", "compressor.pool_queries"),
+        ("compressor.memory.kind=max", "compressor.memory.kind"),
+        ("compressor.memory.pool_queries=0", "compressor.memory.pool_queries"),
         ("compressor.answer_head_weight=-1", "compressor.answer_head_weight"),
         ("compressor.answer_head_weight=nan", "compressor.answer_head_weight"),
         ("handoff.lr=inf", "handoff.lr"),
@@ -158,8 +158,8 @@ def test_a_text_field_set_to_nothing_is_the_empty_string(tmp_path):
 
 
 def test_attention_pooling_needs_the_answer_loss_to_reach_the_encoder():
-    with pytest.raises(ValueError, match=r"compressor\.pooling=attention needs handoff\.finetune_encoder"):
-        load_config(None, ["compressor.pooling=attention", "handoff.finetune_encoder=false", "compressor.answer_head_weight=0"])
+    with pytest.raises(ValueError, match=r"compressor\.memory\.kind=attention needs handoff\.finetune_encoder"):
+        load_config(None, ["compressor.memory.kind=attention", "handoff.finetune_encoder=false", "compressor.answer_head_weight=0"])
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
@@ -296,8 +296,8 @@ def test_default_yaml_mirrors_the_built_in_defaults():
 @pytest.fixture(scope="module")
 def attention_run(tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("attention-runs")
-    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.pooling=attention",
-                             "compressor.pool_queries=3", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
+    cfg = load_config(TINY, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", "compressor.memory.kind=attention",
+                             "compressor.memory.pool_queries=3", "compressor.answer_head_weight=0", "handoff.variants=[ilcp]",
                              "handoff.encoder_lr=0.01"])
     return cfg, train(cfg, lm=tiny_lm)
 
@@ -308,7 +308,7 @@ def test_attention_run_trains_and_exports_its_pooler(attention_run, tiny_lm):
     cfg, result = attention_run
     run = read_export(result.run_dir)
     assert run.config["pooling"]["kind"] == "attention" and run.config["pooling"]["pool_queries"] == 3
-    assert run.spec.memory == PooledMemory("attention", 3) and run.encoder.pooler.num_queries == 3
+    assert run.spec.memory == AttentionMemory(pool_queries=3) and run.encoder.pooler.num_queries == 3
     assert run.encoder.vae.input_dim == 3 * tiny_lm.hidden_size == run.spec.input_dim
     state = load_file(str(result.run_dir / "model.safetensors"))
     assert "pooler.score.weight" in state
@@ -346,7 +346,7 @@ def test_stage_one_without_the_answer_head_leaves_the_pooler_at_the_mean(attenti
 def test_answer_head_trains_the_pooler_in_stage_one_and_is_not_exported(tmp_path, tiny_lm):
     from safetensors.torch import load_file
 
-    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "compressor.pooling=attention",
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "compressor.memory.kind=attention",
                              "compressor.answer_head_weight=1.0", "handoff.finetune_encoder=false", "handoff.variants=[ilcp]"])
     result = train(cfg, lm=tiny_lm)
     assert 0.0 <= result.metrics["compressor"]["val/answer_accuracy"] <= 1.0
@@ -373,7 +373,7 @@ def test_resume_reloads_a_finished_stage_one_with_its_pooler(tmp_path, tiny_lm, 
     from safetensors.torch import load_file
 
     base = [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", "handoff.variants=[ilcp]",
-            "compressor.pooling=attention", "compressor.answer_head_weight=1.0"]
+            "compressor.memory.kind=attention", "compressor.answer_head_weight=1.0"]
     first = train(load_config(TINY, base), lm=tiny_lm)
     stage_one = load_file(str(first.run_dir / "stages" / "compressor" / "compressor.safetensors"))
     assert stage_one["pooler.score.weight"].abs().sum() > 0

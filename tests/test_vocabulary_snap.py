@@ -196,7 +196,7 @@ def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_
     from ilcp.training.data import HandoffRows, collate_rows
     from ilcp.training.reconstruction_stage import TOKEN_TEMPERATURE
 
-    codec = ["compressor.chunk_tokens=4", "compressor.pooling=concat", "compressor.answer_head_weight=0",
+    codec = ["compressor.memory.chunk_tokens=4", "compressor.memory.kind=concat", "compressor.answer_head_weight=0",
              "handoff.num_memory_tokens=4", "reconstruct.token_steps=1"]
     contexts = ["Cedar is owned by Alice.", "Maple is owned by Bruno."]
     rows = HandoffRows([{"context": c, "question": "", "answer": ""} for c in contexts],

@@ -31,10 +31,9 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .compressor import BetaVAE, kl_divergence
-from ..names import SNAP_METRICS, VOCABULARY_SNAPS
+from ..names import MEMORY_PLACEMENTS, SNAP_METRICS, VOCABULARY_SNAPS
 from .pooling import ConcatPooler, Pooler, pool_states, pool_units, split_chunks
 from .projector import GatedLatentToMemoryProjector
-from ..receiver.prompts import MEMORY_PLACEMENTS
 
 
 class ILCPEncoder(nn.Module):
@@ -56,6 +55,7 @@ class ILCPEncoder(nn.Module):
 
     reads_context_text = False
     reads_sender_lm = False  # its summary needs an LM forward of its own (memory slots), not given states
+    memory_kind = None  # the settings (`ilcp.encoder.kinds.MemoryKind`) that built it, when a kind did
 
     def __init__(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None = None,
                  pooler: Pooler | None = None, chunk_tokens: int = 0, *, placement: str = "prefix",
@@ -151,6 +151,13 @@ class ILCPEncoder(nn.Module):
     def latent(self, states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The payload: z = mu, (B, Z) float32, or with chunks (B, N, Z)."""
         return self.encode(states, attention_mask)[0]
+
+    def lm_states(self, model: nn.Module, attention_mask: Tensor, layers, *, input_ids: Tensor | None = None,
+                  cache=None) -> tuple[Tensor, Tensor]:
+        """For an encoder that ``reads_sender_lm``: the states it encodes, read by the sender's LM
+        `model` over right-padded contexts (their ids, or the cache of a forward over them), and
+        their mask."""
+        raise ValueError(f"a {type(self).__name__} reads the token states it is given, not the sender's LM")
 
     # ---------------------------------------------------------------------------- receiver
 

@@ -23,7 +23,6 @@ from ..precision import autocast
 from ..wire.payload import TransportPayload, pack
 from .model import ILCPEncoder
 from .pooling import layer_states, length_batches, pad_id_of, pad_right, sender_token_states
-from .slots import slot_states
 from .spec import EncoderSpec
 
 __all__ = ["MAX_BATCH_TOKENS", "MAX_SEND_CHARACTERS", "Sender"]
@@ -131,7 +130,7 @@ class Sender:
             mask = attention[rows, :width]
             with torch.no_grad(), self.compute():
                 if self.encoder.reads_sender_lm:  # memory slots: their states after the context, and their mask
-                    return slot_states(self.lm.model, self.encoder.slots, mask, self.layers, input_ids=ids[rows, :width])
+                    return self.encoder.lm_states(self.lm.model, mask, self.layers, input_ids=ids[rows, :width])
                 return sender_token_states(self.lm.model, ids[rows, :width], mask, self.layers), mask
 
         return self.encode_in_batches(attention.sum(-1).tolist(), batch_size, states_of, max_batch_tokens)
@@ -250,7 +249,7 @@ class Sender:
                 if cache is None:
                     raise ValueError("this run's memory slots read the sender's key/value cache: run the forward with "
                                      "use_cache=True")
-                states, mask = slot_states(self.lm.model, self.encoder.slots, mask, self.layers, cache=cache)
+                states, mask = self.encoder.lm_states(self.lm.model, mask, self.layers, cache=cache)
             else:
                 states = layer_states(outputs, self.layers).to(self.device)
             z = self.encoder.latent(states, mask).float()

@@ -34,7 +34,6 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +42,10 @@ from torch import Tensor, nn
 from ..compat import cache_kwargs, logits_to_keep_kwargs, output_cache
 from .compressor import BetaVAE, kl_divergence
 from .model import ILCPEncoder
-from .kinds import MAX_COUNT, MemoryKind, config_value
-from ..names import MEMORY_KINDS
 from .pooling import forward_groups, layer_states, pad_id_of, pad_right, tokenize_contexts
 from .projector import GatedLatentToMemoryProjector
 
-__all__ = ["SlotEncoder", "SlotMemory", "SlotTokens", "slot_counts", "slot_states"]
+__all__ = ["SlotEncoder", "SlotTokens", "slot_counts", "slot_states"]
 
 
 def slot_counts(lengths: Tensor, tokens_per_slot: int, min_slots: int, max_slots: int) -> Tensor:
@@ -251,6 +248,12 @@ class SlotEncoder(ILCPEncoder):
         """The slot mask `slot_states` gave (B, N), as bool."""
         return attention_mask.bool()
 
+    def lm_states(self, model: nn.Module, attention_mask: Tensor, layers: Sequence[int], *,
+                  input_ids: Tensor | None = None, cache=None) -> tuple[Tensor, Tensor]:
+        """The slot states after right-padded contexts, read by the sender's LM `model` (see
+        `slot_states`): what `encode` reads, and their mask."""
+        return slot_states(model, self.slots, attention_mask, layers, input_ids=input_ids, cache=cache)
+
     def bind_sender(self, model: nn.Module, tokenizer, max_length: int, layers: Sequence[int],
                     grouped: bool = True) -> None:
         """The sender LM training runs the slot forward with (held by reference, never exported);
@@ -289,75 +292,3 @@ class SlotEncoder(ILCPEncoder):
         k = self.num_memory_tokens
         rows = [memory[i, : int(slot_mask[i].sum()) * k] for i in range(memory.shape[0])]
         return rows, kl_divergence(mu[slot_mask], logvar[slot_mask]).mean()
-
-
-@dataclass(frozen=True)
-class SlotMemory(MemoryKind):
-    """Memory slots (`SlotEncoder`): ``pooling.kind`` "slots" with ``tokens_per_slot``,
-    ``min_slots`` and ``max_slots``."""
-
-    name: ClassVar[str] = "slots"
-    pooling_kinds: ClassVar[tuple[str, ...]] = MEMORY_KINDS["slots"].pooling_kinds
-
-    tokens_per_slot: int = 16
-    min_slots: int = 1
-    max_slots: int = 64
-    adapter_rank: int = 0  # low-rank adapters on the LM's layers for the slot positions (0 = none)
-    adapter_modules: tuple = ()  # ((LM module name, in, out), ...) they adapt
-
-    def __post_init__(self):
-        for name in ("tokens_per_slot", "min_slots", "max_slots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"'pooling.{name}' must be >= 1, got {value!r}")
-        if self.max_slots < self.min_slots:
-            raise ValueError(f"'pooling.max_slots' ({self.max_slots}) must be >= 'pooling.min_slots' ({self.min_slots})")
-        if isinstance(self.adapter_rank, bool) or not isinstance(self.adapter_rank, int) or self.adapter_rank < 0:
-            raise ValueError(f"'pooling.adapter_rank' must be >= 0, got {self.adapter_rank!r}")
-        modules = tuple(tuple(m) for m in self.adapter_modules)
-        if not all(len(m) == 3 and isinstance(m[0], str) and all(isinstance(v, int) and v >= 1 for v in m[1:])
-                   for m in modules):
-            raise ValueError("'pooling.adapters' must map LM module names to [in, out] sizes")
-        if (self.adapter_rank > 0) != bool(modules):
-            raise ValueError("'pooling.adapter_rank' and 'pooling.adapters' come together")
-        object.__setattr__(self, "adapter_modules", modules)
-
-    @classmethod
-    def claims(cls, pooling: dict) -> bool:
-        return pooling.get("kind") in cls.pooling_kinds
-
-    @classmethod
-    def from_pooling(cls, pooling: dict) -> SlotMemory:
-        wrapped = {"pooling": pooling}
-        counts = [config_value(wrapped, f"pooling.{name}", int, minimum=1, maximum=MAX_COUNT)
-                  for name in ("tokens_per_slot", "min_slots", "max_slots")]
-        rank = config_value(wrapped, "pooling.adapter_rank", int, minimum=0, maximum=MAX_COUNT, required=False,
-                            default=0)
-        adapters = config_value(wrapped, "pooling.adapters", dict, required=False, default={})
-        if not all(isinstance(v, list) and len(v) == 2 for v in adapters.values()):
-            raise ValueError("'pooling.adapters' must map LM module names to [in, out] sizes")
-        return cls(*counts, rank, tuple((name, *sizes) for name, sizes in adapters.items()))
-
-    def pooling_entries(self) -> dict:
-        entries = {"kind": "slots", "tokens_per_slot": self.tokens_per_slot, "min_slots": self.min_slots,
-                   "max_slots": self.max_slots}
-        if self.adapter_rank:
-            entries |= {"adapter_rank": self.adapter_rank,
-                        "adapters": {name: [n_in, n_out] for name, n_in, n_out in self.adapter_modules}}
-        return entries
-
-    @classmethod
-    def from_encoder(cls, encoder: ILCPEncoder) -> SlotMemory | None:
-        if not isinstance(encoder, SlotEncoder):
-            return None
-        s = encoder.slots
-        return cls(s.tokens_per_slot, s.min_slots, s.max_slots, s.adapter_rank, s.adapter_modules)
-
-    def pooler(self, state_dim: int, hidden_size: int | None = None) -> SlotTokens:
-        if hidden_size is None:
-            raise ValueError("slot tokens need the LM's hidden size")
-        return SlotTokens(state_dim, hidden_size, self.tokens_per_slot, self.min_slots, self.max_slots,
-                          self.adapter_rank, self.adapter_modules)
-
-    def encoder(self, vae: BetaVAE, projector: GatedLatentToMemoryProjector | None, pooler, **receiver) -> SlotEncoder:
-        return SlotEncoder(vae, projector, pooler, **receiver)

@@ -5,8 +5,9 @@
     spec = EncoderSpec.from_config(config, "run/config.json")  # checked; ExportError names file and entry
     encoder = spec.build(hidden_size=576)                  # untrained, ready for the export's weights
 
-Every setting is one field whose metadata names its config.json entry (dotted, "compressor.beta")
-and its checks, so a new setting is one line here. The memory kind (`ilcp.encoder.kinds`: pooled,
+Every setting is one field declared as every setting of the package is (`ilcp.settings.setting`:
+its config.json entry, dotted "compressor.beta", and its bounds and choices), so a new setting is
+one line here. The memory kind (`ilcp.encoder.kinds`: pooled,
 chunked or codec) owns its own entries of the ``pooling`` object. `EncoderSpec.VERSION` is the
 export's ``format_version``: a new optional setting with a default keeps it (older exports read
 the default); a setting whose meaning changes raises it.
@@ -14,8 +15,7 @@ the default); a setting whose meaning changes raises it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,9 +24,9 @@ import torch
 from .compressor import BetaVAE
 from .model import FormatPrompt, ILCPEncoder
 from .kinds import MemoryKind, config_value, memory_kind_for, memory_kind_of
-from ..names import SNAP_METRICS, VOCABULARY_SNAPS
+from ..settings import check_value, setting
+from ..names import MEMORY_PLACEMENTS, SNAP_METRICS, VOCABULARY_SNAPS
 from .projector import GatedLatentToMemoryProjector
-from ..receiver.prompts import MEMORY_PLACEMENTS
 
 __all__ = ["MAX_PARAMETERS", "EncoderSpec", "ExportError", "NORMALISATION"]
 
@@ -37,25 +37,13 @@ class ExportError(ValueError):
     """An export directory is missing, incomplete, or made for another LM."""
 
 
-def setting(key: str, default=MISSING, *, minimum=None, maximum=None, above=None, choices=None,
-            omit_default: bool = False, written_with: str | None = None, optional: bool = False):
-    """A field of `EncoderSpec` written as config.json entry `key`.
-
-    Args:
-        default: the value when the entry is absent (only where absence is allowed).
-        minimum, maximum, above: the value must be >= minimum, <= maximum, > above; choices: one of
-            these.
-        omit_default: absent from config.json when equal to the default (a top-level entry may
-            then be absent; one inside an object is required when its object is there).
-        written_with: written exactly when the named field is written (an entry of its object).
-        optional: may be absent whatever else is there (an entry older exports lack).
-    """
-    meta = {"key": key, "minimum": minimum, "maximum": maximum, "above": above, "choices": choices, "omit_default": omit_default,
-            "written_with": written_with, "optional": optional}
-    return field(default=default, metadata=meta)
+def _entry(key: str, default=MISSING, help: str = "", **declared):
+    """A field of `EncoderSpec` written as config.json entry `key`: a declared setting
+    (`ilcp.settings.setting`: bounds, choices, ``omit_default``, ``written_with``, ``optional``)."""
+    return setting(default, help, key=key, **declared)
 
 
-_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": list}
+_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": list}  # how config.json holds each
 
 # Documented maxima of the sizes config.json holds, checked when it is read, before anything is
 # built: far above every recipe, far below what would exhaust memory. The parameters they build
@@ -74,20 +62,20 @@ class EncoderSpec:
 
     VERSION: ClassVar[int] = 1
 
-    latent_dim: int = setting("latent_dim", minimum=1, maximum=MAX_WIDTH)  # Z, the floats of one latent
-    num_memory_tokens: int = setting("num_memory_tokens", minimum=1, maximum=MAX_VECTORS)  # K, memory vectors per latent
-    input_dim: int = setting("compressor.input_dim", minimum=1, maximum=MAX_INPUT)  # the VAE's input width
-    hidden_dim: int = setting("compressor.hidden_dim", minimum=1, maximum=MAX_WIDTH)  # the VAE's body width
-    beta: float = setting("compressor.beta", minimum=0)  # the KL weight
-    projector_hidden: int = setting("projector.hidden", minimum=1, maximum=MAX_WIDTH)  # the projector's trunk width
-    layers: tuple[int, ...] = setting("pooling.layers")  # hidden-state layers read, concatenated
-    max_length: int = setting("pooling.max_length", minimum=1, maximum=MAX_LENGTH)  # context tokens the sender reads
-    memory: MemoryKind = setting("pooling")  # the memory kind and its own settings (`ilcp.encoder.kinds`)
-    memory_placement: str = setting("memory_placement", "prefix", choices=MEMORY_PLACEMENTS, omit_default=True)
-    format_vectors: int = setting("format_vectors", 0, minimum=0, maximum=MAX_VECTORS, omit_default=True)
-    vocabulary_snap: str = setting("vocabulary_snap.mode", "none", choices=VOCABULARY_SNAPS, omit_default=True)
-    snap_temperature: float = setting("vocabulary_snap.temperature", 0.02, above=0, written_with="vocabulary_snap")
-    snap_metric: str = setting("vocabulary_snap.metric", "cosine", choices=SNAP_METRICS,
+    latent_dim: int = _entry("latent_dim", minimum=1, maximum=MAX_WIDTH)  # Z, the floats of one latent
+    num_memory_tokens: int = _entry("num_memory_tokens", minimum=1, maximum=MAX_VECTORS)  # K, memory vectors per latent
+    input_dim: int = _entry("compressor.input_dim", minimum=1, maximum=MAX_INPUT)  # the VAE's input width
+    hidden_dim: int = _entry("compressor.hidden_dim", minimum=1, maximum=MAX_WIDTH)  # the VAE's body width
+    beta: float = _entry("compressor.beta", minimum=0)  # the KL weight
+    projector_hidden: int = _entry("projector.hidden", minimum=1, maximum=MAX_WIDTH)  # the projector's trunk width
+    layers: tuple[int, ...] = _entry("pooling.layers")  # hidden-state layers read, concatenated
+    max_length: int = _entry("pooling.max_length", minimum=1, maximum=MAX_LENGTH)  # context tokens the sender reads
+    memory: MemoryKind = _entry("pooling")  # the memory kind and its own settings (`ilcp.encoder.kinds`)
+    memory_placement: str = _entry("memory_placement", "prefix", choices=MEMORY_PLACEMENTS, omit_default=True)
+    format_vectors: int = _entry("format_vectors", 0, minimum=0, maximum=MAX_VECTORS, omit_default=True)
+    vocabulary_snap: str = _entry("vocabulary_snap.mode", "none", choices=VOCABULARY_SNAPS, omit_default=True)
+    snap_temperature: float = _entry("vocabulary_snap.temperature", 0.02, above=0, written_with="vocabulary_snap")
+    snap_metric: str = _entry("vocabulary_snap.metric", "cosine", choices=SNAP_METRICS,
                                written_with="vocabulary_snap", optional=True)
 
     def __post_init__(self):
@@ -103,7 +91,7 @@ class EncoderSpec:
                     raise ValueError(f"'pooling.layers' must name at most {MAX_LAYERS} layers, got {len(value)}")
                 object.__setattr__(self, "layers", tuple(value))
             else:
-                _check(meta["key"], value, _TYPES[f.type], meta)
+                check_value(repr(meta["key"]), value, _TYPES[f.type], meta)
 
     # ------------------------------------------------------------------------------ config.json
 
@@ -114,7 +102,7 @@ class EncoderSpec:
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if f.name == "memory":
-                _put(config, "pooling", value.pooling_entries())
+                _put(config, "pooling", value.entries())
                 continue
             if meta["omit_default"] and value == f.default:
                 continue
@@ -209,23 +197,6 @@ class EncoderSpec:
         return self.memory.encoder(vae, projector, pooler, placement=self.memory_placement,
                                    format_prompt=format_prompt, vocabulary_snap=self.vocabulary_snap,
                                    snap_temperature=self.snap_temperature, snap_metric=self.snap_metric)
-
-
-def _check(key: str, value, kind, meta) -> None:
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise ValueError(f"{key!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
-    if meta["minimum"] is not None and value < meta["minimum"]:
-        raise ValueError(f"{key!r} must be >= {meta['minimum']}, got {value!r}")
-    if meta["maximum"] is not None and value > meta["maximum"]:
-        raise ValueError(f"{key!r} must be <= {meta['maximum']:,}, got {value!r}")
-    if meta["above"] is not None and not value > meta["above"]:
-        raise ValueError(f"{key!r} must be > {meta['above']}, got {value!r}")
-    if meta["choices"] is not None and value not in meta["choices"]:
-        raise ValueError(f"{key!r} must be one of {list(meta['choices'])}, got {value!r}")
 
 
 def _put(config: dict, dotted: str, value) -> None:

@@ -71,7 +71,8 @@ from torch import Tensor
 
 from .. import rclc
 from ..rclc.hf import context_limit
-from ..receiver.rclc_prompts import SELECTORS, ReceiverFraming, receiver_framing, selection_prompt_ids
+from ..receiver.rclc_prompts import ReceiverFraming, receiver_framing
+from ..selection_prompts import SELECTORS, selection_prompt_ids
 from .registry import EvalContext, HandoffMethod, MethodUnavailable, Prefixes, Sent
 
 __all__ = ["RCLCMethod", "RCLCSpec", "RCLC_METHODS", "RCLC_QUICK", "ReceiverFraming", "SELECTORS", "parse_rclc_name",

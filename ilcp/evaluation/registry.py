@@ -1,6 +1,6 @@
 """What a handoff method is, and the registry that names methods and groups of methods.
 
-A method is one row of the protocol table (see shared/design/ARCHITECTURE.md): what the sender
+A method is one row of the evaluation's results table: what the sender
 hands over and what the receiver prefills before it answers. Every method turns task rows
 ``{context, question, answer}`` into receiver prefixes, (L, H) tensors in the frozen LM's
 embedding space, which one greedy decoder answers. Each method has two paths:

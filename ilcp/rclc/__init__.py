@@ -14,8 +14,8 @@ Bound agents (`bind` = `Agent`) wrap the same pieces for an existing agent loop:
     inputs = agent_y.pop()
     agent_y.update(inputs=inputs, generation=model.generate(**inputs, return_dict_in_generate=True))
 
-`check` and ``python -m ilcp.rclc doctor`` report the environment. See shared/spec/rclc-api.md
-for the full contract. Nothing here runs at import time.
+`check` and ``python -m ilcp.rclc doctor`` report the environment. Nothing here runs at import
+time.
 """
 
 from ilcp.rclc import budget, selectors

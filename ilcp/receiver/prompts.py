@@ -17,6 +17,8 @@ has one, and as plain text otherwise.
 
 from __future__ import annotations
 
+from ..names import MEMORY_PLACEMENTS
+
 INSTRUCTION = "Answer the question with one word."
 RECONSTRUCTION_INSTRUCTION = "Repeat the context you were handed, word for word."
 CONTINUATION_INSTRUCTION = "Continue the text you were handed from where it stops."
@@ -80,7 +82,6 @@ def context_slot_prompt(tokenizer, question: str) -> tuple[str, str]:
     return before, after
 
 
-MEMORY_PLACEMENTS = ("prefix", "in_prompt")
 
 
 def memory_prompt(tokenizer, question: str, placement: str = "prefix") -> tuple[str, str]:

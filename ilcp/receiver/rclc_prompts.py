@@ -1,9 +1,9 @@
 """RCLC rows framed as the evaluation's prompts: the receiver settings that reproduce the cold-read
-and question prompts of `ilcp.receiver.prompts`, and the token IDs of an in-prompt selection.
+and question prompts of `ilcp.receiver.prompts`.
 
 Shared by the evaluation's RCLC rows (`ilcp.evaluation.rclc_methods`, which explains the slot
-boundary) and by training's ``selection_tuned`` variant, which trains on exactly the prefixes an
-``rclc:<selector>:r<N>`` row prefills.
+boundary) and by `ilcp.selection_prompts` (the token IDs of an in-prompt selection, which
+training's ``selection_tuned`` variant reads). The receiver imports nothing from `ilcp.rclc`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import rclc
-from ..names import DEFAULT_SELECTOR
 from .prompts import SYSTEM, cold_read_user_text, question_user_text, render
 
-__all__ = ["SELECTORS", "ReceiverFraming", "receiver_framing", "selection_prompt_ids"]
-
-SELECTORS = rclc.selectors.BY_NAME  # name -> ready-made selector, for every name of ilcp.names.SELECTORS
+__all__ = ["ReceiverFraming", "receiver_framing"]
 
 _CONTEXT_MARK = "\x00RCLC-CONTEXT\x00"
 _REQUEST_MARK = "\x00RCLC-REQUEST\x00"
@@ -64,41 +60,3 @@ def receiver_framing(tokenizer) -> ReceiverFraming:
 
     template = user.replace(_CONTEXT_MARK, "{context}").replace(_REQUEST_MARK, "{request}")
     return ReceiverFraming(messages=messages, slot_template=template, lead=lead, question_turn=question_turn)
-
-
-def selection_prompt_ids(lm, rows, *, selector: str = DEFAULT_SELECTOR, ratio: int | None = None,
-                         budget: int | None = None) -> dict[tuple[str, str], list[int]]:
-    """The in-prompt RCLC prompt of each distinct ``(context, question)`` of ``rows``, as token IDs.
-
-    The IDs are the cold-read prompt's tokens before the context slot, the sender's tokens at the
-    positions ``selector`` keeps for the question (relative budget ``ratio`` or bounded
-    ``budget``), then the tokens after the slot: the prefix an ``rclc:<selector>:r<ratio>`` row
-    prefills, whose rows are the embeddings of exactly these tokens (the selection_tuned
-    variant trains on them). Each distinct context's sender state is built once
-    (`ilcp.rclc.sender_from_hf`, one prefill) and every question asked of it selects on it
-    (`ilcp.rclc.transfer_sync`, as `RCLCMethod`); the states are not kept.
-
-    Raises:
-        ValueError: an unknown selector, or a bad budget (`ilcp.rclc.budget`).
-    """
-    if selector not in SELECTORS:
-        raise ValueError(f"unknown selector {selector!r}; known: {', '.join(sorted(SELECTORS))}")
-    model, tokenizer = lm.model, lm.tokenizer
-    framing = receiver_framing(tokenizer)
-    receiver = rclc.HFReceiver(model, tokenizer, messages=framing.messages, placement="in_prompt",
-                               slot_template=framing.slot_template)
-    questions: dict[str, dict[str, None]] = {}
-    for row in rows:
-        questions.setdefault(row["context"], {})[row["question"]] = None
-    out: dict[tuple[str, str], list[int]] = {}
-    for context, asked in questions.items():
-        state = rclc.sender_from_hf(model, tokenizer, framing.lead + context.strip())
-        for question in asked:
-            deliveries: list[rclc.Delivery] = []
-            rclc.transfer_sync(state, deliveries.append, question.strip(), ratio=ratio, budget=budget,
-                               selector=SELECTORS[selector], record_selection=True)
-            kept = deliveries[0].messages[0].selection.indices
-            rendered = receiver.render(question.strip())
-            out[(context, question)] = (rendered.before[0].tolist() + state.token_ids[kept].tolist()
-                                        + rendered.after[0].tolist())
-    return out

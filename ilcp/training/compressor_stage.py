@@ -14,7 +14,6 @@ prose within stage 1's steps.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 
@@ -32,11 +31,10 @@ from ..config import TrainConfig
 from ..config_sections import CompressorConfig
 from ..encoder.model import ILCPEncoder, sender_states_of
 from ..lm import LM
-from ..encoder.kinds import MemoryKind, memory_kind_for
-from ..encoder.slots import SlotEncoder, adaptable_modules
-from ..encoder.pooling import AttentionPooler, ConcatPooler
-from .data import HandoffRows, collate_rows, pooled_rows, row_loader, sender_max_length
+from ..encoder.pooling import AttentionPooler
+from .data import HandoffRows, collate_rows, pooled_rows, row_loader
 from .distributed import gather_rows, save_stage
+from .losses import LossTerm, compressor_terms, weighted_sum
 from .log import ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts, prepare_stage_log, say
 
 
@@ -103,11 +101,10 @@ class CompressorModule(L.LightningModule):
             encoder.pooler.requires_grad_(False)  # nothing would teach it: it stays the mean
         self._val_mu: list[Tensor] = []
 
-    def kl_weight(self) -> float:
-        beta = self.encoder.vae.beta
-        if self.cfg.kl_warmup_steps == 0:
-            return beta
-        return beta * min(1.0, self.global_step / self.cfg.kl_warmup_steps)
+    @property
+    def loss_terms(self) -> list[LossTerm]:
+        """This stage's loss, term by term (`ilcp.training.losses.compressor_terms`)."""
+        return compressor_terms(self.cfg)
 
     def _losses(self, batch) -> dict[str, Tensor]:
         pooled = self.encoder.pooled_units(*sender_states_of(batch))
@@ -130,14 +127,9 @@ class CompressorModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         out = self._losses(batch)
-        loss = out["recon"] + self.kl_weight() * out["kl"]
-        logged = {"train/loss": loss, "train/recon": out["recon"], "train/kl": out["kl"]}
-        if self.head is not None:
-            loss = loss + self.cfg.answer_head_weight * out["answer_ce"]
-            logged.update({"train/answer_ce": out["answer_ce"], "train/answer_accuracy": out["answer_accuracy"]})
-        if "story_ce" in out:
-            loss = loss + self.cfg.story_attention_weight * out["story_ce"]
-            logged.update({"train/story_ce": out["story_ce"], "train/story_mass": out["story_mass"]})
+        loss, values = weighted_sum(self.loss_terms, self, batch, out, self.global_step)
+        logged = {"train/loss": loss, **{f"train/{name}": v for name, v in values.items()},
+                  **{f"train/{name}": out[name] for name in ("answer_accuracy", "story_mass") if name in out}}
         self.log_dict(logged, prog_bar=True, batch_size=len(batch["answer"]))
         return loss
 
@@ -187,19 +179,6 @@ def story_attention_loss(pooler: AttentionPooler, tokens: Tensor, token_mask: Te
     return ce[rows].mean(), mass[rows].mean()
 
 
-def memory_kind(cfg: TrainConfig) -> MemoryKind:
-    """The registered memory kind (`ilcp.encoder.kinds`) the config's compressor settings name."""
-    c = cfg.compressor
-    return memory_kind_for({"kind": c.pooling, "pool_queries": c.pool_queries, "chunk_tokens": c.chunk_tokens,
-                            "tokens_per_slot": c.tokens_per_slot, "min_slots": c.min_slots, "max_slots": c.max_slots})
-
-
-def make_pooler(cfg: TrainConfig, state_dim: int) -> AttentionPooler | ConcatPooler | None:
-    """The config's pooler, from its memory kind: an untrained attention pooler, a concat pooler,
-    or None (the mean)."""
-    return memory_kind(cfg).pooler(state_dim)
-
-
 def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffRows,
                      resume: bool) -> tuple[ILCPEncoder, dict]:
     """Stage 1: an `ILCPEncoder` without a projector yet (pooler and VAE trained), and its metrics.
@@ -207,17 +186,19 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     The VAE's standardisation statistics come from the untrained pooler (the mean repeated Q
     times); a pooler trained afterwards moves away from them, and the encoder, trained with it,
     absorbs the difference."""
-    if cfg.compressor.pooling == "slots":
-        return start_slot_encoder(cfg, lm, train), {}
+    c = cfg.compressor
+    kind = c.memory
+    started = kind.start(cfg, lm, train)  # a kind that does not fit stage 1 on cached states (memory slots)
+    if started is not None:
+        return started, {}
     stage_dir = cfg.run_dir / "stages" / "compressor"
     done = stage_dir / "compressor.safetensors"
-    c = cfg.compressor
-    pooler = make_pooler(cfg, train.state_dim) if train.has_token_states else None
-    train_pooled = pooled_rows(train, pooler, c.chunk_tokens)
+    pooler = kind.pooler(train.state_dim) if train.has_token_states else None
+    train_pooled = pooled_rows(train, pooler, kind.chunk_tokens)
     # Seeded before the VAE is built: its initialisation must not depend on what ran earlier in
     # the process (loading or converting the LM draws random numbers too).
     L.seed_everything(cfg.trainer.seed, verbose=False)
-    encoder = memory_kind(cfg).encoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), None, pooler)
+    encoder = kind.encoder(BetaVAE(train_pooled.shape[1], c.latent_dim, c.hidden_dim, c.beta), None, pooler)
     if resume and done.is_file() and (stage_dir / "metrics.json").is_file():
         state = load_file(str(done))
         export.load_encoder_state(encoder, state, source=str(done))
@@ -247,40 +228,3 @@ def train_compressor(cfg: TrainConfig, lm: LM, train: HandoffRows, val: HandoffR
     if module.head is not None:
         say(f"stage 1 (compressor): validation answer-head accuracy {metrics.get('val/answer_accuracy', float('nan')):.3f}")
     return encoder, metrics
-
-
-# the training contexts whose untrained slot states set the VAE's standardisation
-SLOT_STATISTICS_ROWS = 256
-
-
-def start_slot_encoder(cfg: TrainConfig, lm: LM, train: HandoffRows) -> SlotEncoder:
-    """Memory slots start untrained (each at a random row of the LM's embedding table) and learn
-    with the VAE and the projector in stage 2, through the LM: stage 1 has no fixed states to fit.
-    The VAE's standardisation comes from the untrained slots' states over up to
-    `SLOT_STATISTICS_ROWS` training contexts; the encoder is bound to the sender LM."""
-    c = cfg.compressor
-    L.seed_everything(cfg.trainer.seed, verbose=False)
-    kind = memory_kind(cfg)
-    if c.slot_adapter_rank:
-        kind = dataclasses.replace(kind, adapter_rank=c.slot_adapter_rank,
-                                   adapter_modules=adaptable_modules(lm.model, c.slot_adapter_targets))
-    slots = kind.pooler(lm.hidden_size * len(cfg.data.pool_layers), hidden_size=lm.hidden_size)
-    slots.init_from_embeddings(lm.model.get_input_embeddings().weight, seed=cfg.trainer.seed)
-    encoder = kind.encoder(BetaVAE(slots.output_dim, c.latent_dim, c.hidden_dim, c.beta), None, slots)
-    encoder.bind_sender(lm.model, lm.tokenizer, sender_max_length(cfg, lm), cfg.data.pool_layers,
-                        grouped=cfg.trainer.length_groups)
-    contexts = [r["context"] for r in train.rows[:SLOT_STATISTICS_ROWS]]
-    states = []
-    with torch.no_grad():
-        for start in range(0, len(contexts), cfg.data.pool_batch_size):
-            batch, mask = encoder.sender_states(contexts[start:start + cfg.data.pool_batch_size])
-            states.append(batch[mask].float().cpu())
-    states = torch.cat(states)
-    encoder.vae.set_standardisation(states)
-    adapters = (f", rank-{c.slot_adapter_rank} adapters on {len(slots.adapter_modules)} LM layers"
-                if c.slot_adapter_rank else "")
-    say(f"stage 1 (compressor): memory slots (one per {c.tokens_per_slot} tokens, {c.min_slots} to {c.max_slots}"
-        f"{adapters}), "
-        f"trained in stage 2 with the VAE; standardisation from {states.shape[0]} slot states of {len(contexts)} "
-        "training contexts")
-    return encoder

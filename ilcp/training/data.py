@@ -277,8 +277,8 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
     an attention pooler, mean-pooled states when it trains without one, none when ilcp is not
     trained (the soft-prompt baselines read no sender state)."""
     out = {}
-    c = cfg.compressor
-    tokens = c.pooling == "attention" or c.chunk_tokens > 0
+    kind = cfg.compressor.memory
+    tokens = kind.reads_token_states
     extract = cached_token_states if tokens else cached_pooled_states
     max_length = sender_max_length(cfg, lm)
     limit = lm.context_limit
@@ -287,8 +287,8 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         rows, key = load_rows(cfg, split, size, lm.tokenizer, max_tokens, text_limit=limit)
         if not rows:
             raise ValueError(f"task {cfg.data.task!r} has no {split} rows")
-        if "ilcp" not in cfg.handoff.variants or c.pooling == "slots":
-            why = ("memory slots run the sender's LM in training" if c.pooling == "slots"
+        if "ilcp" not in cfg.handoff.variants or kind.reads_sender_lm:
+            why = (f"memory kind {kind.kind!r} runs the sender's LM in training" if kind.reads_sender_lm
                    else "ilcp is not among handoff.variants")
             say(f"{split}: {len(rows)} rows (no sender states: {why})")
             out[split] = HandoffRows(rows, None)
@@ -310,7 +310,7 @@ def prepare_data(cfg: TrainConfig, lm: LM) -> tuple[HandoffRows, HandoffRows]:
         say(f"{split}: {len(rows)} rows; {what} "
             f"{'read from cache' if hit else 'computed'} in {time.perf_counter() - t0:.1f}s ({path})")
         masks = None
-        if c.story_attention_weight > 0:
+        if cfg.compressor.story_attention_weight > 0:
             masks = story_masks(cfg, split, size, lm.tokenizer, rows, states)
         out[split] = HandoffRows(rows, states, masks)
     return out["train"], out["validation"]

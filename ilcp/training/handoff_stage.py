@@ -45,6 +45,7 @@ from .data import HandoffDataModule
 from ..io import atomic_save_safetensors
 from .distributed import broadcast, is_main, reduce_sum, save_stage
 from .recompute import recomputing
+from .losses import LossTerm, answer_terms, weighted_sum
 from .log import (checkpoint_state, ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts,
                   prepare_stage_log, read_curve, say)
 
@@ -156,7 +157,7 @@ class HandoffModule(L.LightningModule):
         cfg: stage-2 settings.
         val_decode_size: validation rows (the first ones) decoded for exact match.
         selected: for selection_tuned, the prompt token IDs of each ``(context, question)``
-            (`ilcp.receiver.rclc_prompts.selection_prompt_ids`), which replace the cold-read
+            (`ilcp.selection_prompts.selection_prompt_ids`), which replace the cold-read
             prompt of a source that reads the context; None: the context text.
         teacher: the distillation teacher's vectors (cold_read_tuned's, frozen), read in front of
             the text; None: the plain cold read.
@@ -197,13 +198,24 @@ class HandoffModule(L.LightningModule):
         """(memory (B, K, H) in the LM's dtype, mean KL or 0) of a batch."""
         return self.source.memory_for_batch(batch, self.lm.get_input_embeddings().weight.dtype)
 
-    def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
+    @property
+    def loss_terms(self) -> list[LossTerm]:
+        """This stage's loss, term by term (`ilcp.training.losses.answer_terms`)."""
+        return answer_terms(self.cfg, distills=not self.source.reads_context_text)
+
+    def step_outputs(self, batch: dict) -> dict:
+        """The forward every loss term reads: the answer tokens' cross-entropy ``answer_ce``, the
+        ``logits`` and ``targets`` it was computed from, and the posterior's mean ``kl``."""
         memory, kl = self.memory(batch)
         sequences, labels = self._answer_sequences(memory, batch, self.source.reads_context_text)
         loss, logits, targets = self._loss_on_tail(sequences, labels)
-        if self.cfg.distill_weight > 0 and self.training and not self.source.reads_context_text:
-            loss = loss + self.cfg.distill_weight * self._distillation(batch, logits, targets)
-        return loss, kl
+        return {"answer_ce": loss, "logits": logits, "targets": targets, "kl": kl}
+
+    def _teacher_forced(self, batch) -> tuple[Tensor, Tensor]:
+        """(the loss's terms but the KL, summed with their weights; the KL)."""
+        out = self.step_outputs(batch)
+        loss, _ = weighted_sum([t for t in self.loss_terms if t.name != "kl"], self, batch, out, self.global_step)
+        return loss, out["kl"]
 
     def prefix(self, memory: Tensor | None, context: str, question: str, with_context: bool) -> ReceiverPrefix:
         """One row's receiver prefix (`ilcp.receiver.prefix.receiver_prefix`): this source's layout around
@@ -293,9 +305,10 @@ class HandoffModule(L.LightningModule):
         return loss, logits, targets
 
     def training_step(self, batch, batch_idx):
-        loss, kl = self._teacher_forced(batch)
-        total = loss + self.cfg.joint_kl_weight * kl if self.cfg.joint_kl_weight > 0 else loss
-        self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=len(batch["answer"]))
+        out = self.step_outputs(batch)
+        total, values = weighted_sum(self.loss_terms, self, batch, out, self.global_step)
+        logged = {"train/loss": total, "train/kl": out["kl"], **{f"train/{name}": v for name, v in values.items()}}
+        self.log_dict(logged, prog_bar=True, batch_size=len(batch["answer"]))
         return total
 
     def validation_step(self, batch, batch_idx):
@@ -413,7 +426,7 @@ def selected_prompts(cfg: HandoffConfig, lm: LM, data: HandoffDataModule) -> dic
     """selection_tuned's prompts for every training and validation row, computed once for the
     stage and kept in memory: each distinct context prefilled once by the RCLC sender, then
     ``cfg.selection_selector`` at ``r<cfg.selection_ratio>`` for each of its questions."""
-    from ..receiver.rclc_prompts import selection_prompt_ids  # the eval row's framing and selection
+    from ..selection_prompts import selection_prompt_ids  # the eval row's framing and selection
 
     t0 = time.perf_counter()
     rows = list(data.train.rows) + list(data.val.rows)

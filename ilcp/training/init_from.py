@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from ..config import TrainConfig
 from ..encoder.model import ILCPEncoder
-from ..encoder.slots import SlotEncoder
 from ..encoder.spec import EncoderSpec, ExportError
 from ..export import check_fingerprint, read_config, read_export
 from ..lm import LM
@@ -24,26 +23,15 @@ __all__ = ["pretrained_encoder", "settings_it_needs"]
 def settings_it_needs(cfg: TrainConfig, spec: EncoderSpec) -> dict[str, tuple]:
     """``{run setting: (this run's value, the pretrained encoder's)}`` for every setting that
     shapes the encoder and differs between the two (empty when they agree)."""
-    c, entries = cfg.compressor, spec.to_config()
-    pooling = entries["pooling"]
+    c = cfg.compressor
     ours = {
         "compressor.latent_dim": (c.latent_dim, spec.latent_dim),
         "compressor.hidden_dim": (c.hidden_dim, spec.hidden_dim),
         "handoff.num_memory_tokens": (cfg.handoff.num_memory_tokens, spec.num_memory_tokens),
         "handoff.projector_hidden": (cfg.handoff.projector_hidden, spec.projector_hidden),
         "data.pool_layers": (list(cfg.data.pool_layers), list(spec.layers)),
-        "compressor.pooling": (c.pooling, pooling["kind"]),
+        **c.memory.differences(spec.memory),  # the memory kind compares its own settings
     }
-    kind = pooling["kind"]
-    if kind == "attention":
-        ours["compressor.pool_queries"] = (c.pool_queries, pooling["pool_queries"])
-    if kind != "slots":
-        ours["compressor.chunk_tokens"] = (c.chunk_tokens, pooling.get("chunk_tokens", 0))
-    else:
-        ours["compressor.tokens_per_slot"] = (c.tokens_per_slot, pooling["tokens_per_slot"])
-        ours["compressor.min_slots"] = (c.min_slots, pooling["min_slots"])
-        ours["compressor.max_slots"] = (c.max_slots, pooling["max_slots"])
-        ours["compressor.slot_adapter_rank"] = (c.slot_adapter_rank, pooling.get("adapter_rank", 0))
     return {name: pair for name, pair in ours.items() if pair[0] != pair[1]}
 
 
@@ -71,7 +59,7 @@ def pretrained_encoder(cfg: TrainConfig, lm: LM, max_length: int) -> ILCPEncoder
         raise ExportError(f"{where}: its encoder is not the one this run describes (this run: {ours}); set {fixes}, "
                           "or drop compressor.init_from")
     encoder = run.encoder
-    if isinstance(encoder, SlotEncoder):
+    if encoder.reads_sender_lm:
         encoder.bind_sender(lm.model, lm.tokenizer, max_length, cfg.data.pool_layers, grouped=cfg.trainer.length_groups)
     say(f"stage 1 (compressor): the encoder starts from {path} ({sum(p.numel() for p in encoder.parameters()):,} "
         "parameters, projector included)")

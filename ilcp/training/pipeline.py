@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from .. import export, export_writing, host_memory
-from ..config import TrainConfig, flatten, save_config
+from ..config import MOVED, TrainConfig, flatten, save_config
 from ..io import atomic_write_json
 from ..lm import LM, load_lm
 from ..precision import hold
@@ -112,7 +112,7 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last
     """Refuse, writing nothing: an out_dir that is a file, an existing run unless resumed or
     overwritten, a folder that is not a run, --resume where there is no run, changed settings on
     resume, an unfinished stage's last.ckpt that cannot be read (unless discarded). Returns the
-    raised step budgets a resume records (`_check_resumed_settings`)."""
+    raised step budgets a resume records (`check_resumed_settings`)."""
     run_dir = cfg.run_dir
     for folder in (run_dir, *run_dir.parents):
         if folder.exists():
@@ -132,7 +132,7 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool, discard_last
         raise FileNotFoundError(f"--resume: {run_dir} holds no run to resume; check out_dir and run_name, or start "
                                 "it without --resume")
     if resume and started:
-        raised = _check_resumed_settings(cfg, run_dir / "train_config.yaml")
+        raised = check_resumed_settings(cfg, run_dir / "train_config.yaml")
         if not discard_last:
             for stage in _unfinished_stages(run_dir):
                 last = stage / "checkpoints" / "last.ckpt"
@@ -318,7 +318,7 @@ def _looks_like_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in ("train_config.yaml", "stages", export.CONFIG_FILE, "logs"))
 
 
-def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
+def check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
     """A resumed run must train what it started to: ValueError naming any changed setting, but
     for a raised step budget, returned as {setting: [old, new]} (`_record_raised` writes it to
     ``resumes.json`` beside the config)."""
@@ -332,12 +332,18 @@ def _check_resumed_settings(cfg: TrainConfig, saved_path: Path) -> dict:
     if not isinstance(loaded, dict | None):
         raise ValueError(f"{saved_path} must hold a mapping, got {type(loaded).__name__}: start the run again with "
                          "--overwrite")
-    saved = flatten(loaded or {})
+    # a run started before the memory kinds were their own section names their settings as then
+    saved = {MOVED.get(k, k): v for k, v in flatten(loaded or {}).items()}
     now = flatten(cfg.to_dict())
-    # a setting the package gained after the run started was, for that run, its default
+    # a setting the package gained after the run started was, for that run, its default; the
+    # memory section is its kind's settings alone (another kind's settings are not this run's)
+    memory = "compressor.memory."
+    has_memory = any(k.startswith(memory) for k in saved)
     defaults = flatten(TrainConfig().to_dict())
-    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in _RESUMABLE)
+    saved = {**{k: v for k, v in defaults.items() if k not in saved and not (has_memory and k.startswith(memory))},
+             **saved}
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in _RESUMABLE
+                     and not (k.startswith(memory) and k not in now))
     raised = [k for k in changed if k in _EXTENDABLE and isinstance(saved.get(k), int) and now[k] > saved[k]]
     changed = [k for k in changed if k not in raised]
     if changed:  # refused before anything is recorded

@@ -40,6 +40,7 @@ from .data import HandoffDataModule, HandoffRows, heldout_values, sender_max_len
 from .distributed import save_stage
 from .handoff_stage import HandoffModule, attach_projector, fit_stage
 from .log import parameter_counts, say
+from .losses import LossTerm, reconstruction_terms, weighted_sum
 
 STAGE = "reconstruct"
 TOKEN_TEMPERATURE = 0.05  # of the token loss's cosine cross-entropy
@@ -183,7 +184,7 @@ class ReconstructionModule(HandoffModule):
             encoder.vae.logvar_head.requires_grad_(self.kl_in_loss())
         if self.token_loss and not (encoder.chunked and encoder.num_memory_tokens == encoder.chunk_tokens):
             raise ValueError("the token loss reads memory vector j of a chunk as its j-th token: it needs "
-                             "compressor.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
+                             "compressor.memory.chunk_tokens > 0 and handoff.num_memory_tokens equal to it")
 
     def _random_texts(self) -> tuple[list[Tensor], list[list[int]]]:
         """(memory, token ids) of ``reconstruct.random_texts`` texts of random whole-word tokens,
@@ -280,10 +281,10 @@ class ReconstructionModule(HandoffModule):
                 prompt_ids.append(self.prompt_ids)
         return ({**batch, "context": contexts} if contexts != batch["context"] else batch), targets, prompt_ids
 
-    def _teacher_forced(self, batch, memory=None, targets=None, prompt_ids=None) -> tuple[Tensor, Tensor]:
-        if targets is None:
-            batch, targets, prompt_ids = self.tasks(batch)
-        memory, kl = self.memory(batch) if memory is None else memory
+    def reconstruction_loss(self, batch, memory, targets, prompt_ids) -> tuple[Tensor, Tensor]:
+        """(the mean cross-entropy of each row's target tokens after its memory and prompt, the KL)
+        of a batch as `tasks` rewrote it, with its `memory` (the rows' memory, the KL)."""
+        memory, kl = memory
         device = self.lm.get_input_embeddings().weight.device
         sequences, labels = [], []
         for i, target in enumerate(targets):
@@ -292,33 +293,47 @@ class ReconstructionModule(HandoffModule):
             labels.append(torch.tensor([-100] * len(prefix) + target, device=device))
         return self._loss_on_tail(sequences, labels)[0], kl
 
+    @property
+    def loss_terms(self) -> list[LossTerm]:
+        """This stage's loss, term by term (`ilcp.training.losses.reconstruction_terms`)."""
+        return reconstruction_terms(self.reconstruct_cfg)
+
+    def step_outputs(self, batch: dict) -> dict:
+        """The forward every loss term reads: the batch as the sender reads it (``batch``), its
+        ``memory``, the regenerated text's cross-entropy ``reconstruction_ce`` and the ``kl``."""
+        batch, targets, prompt_ids = self.tasks(batch)
+        memory = self.memory(batch)
+        loss, kl = self.reconstruction_loss(batch, memory, targets, prompt_ids)
+        return {"batch": batch, "memory": memory[0], "reconstruction_ce": loss, "kl": kl}
+
+    def token_loss_of(self, out: dict) -> Tensor:
+        """The token loss of a step's memory (`_token_loss`); its accuracy goes to ``out``."""
+        loss, out["token_acc"] = self._token_loss(out["memory"], self.context_token_ids(out["batch"]["context"]))
+        return loss
+
     def training_step(self, batch, batch_idx):
-        r, n = self.reconstruct_cfg, len(batch["context"])
+        n = len(batch["context"])
         if self.token_only():
             memory, _ = self.memory(batch)
             ids = self.context_token_ids(batch["context"])
-            if r.random_texts:
+            if self.reconstruct_cfg.random_texts:
                 random_memory, random_ids = self._random_texts()
                 memory, ids = list(memory) + list(random_memory), ids + random_ids
             loss, accuracy = self._token_loss(memory, ids)
             self.log_dict({"train/token_loss": loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
             return loss
-        batch, targets, prompt_ids = self.tasks(batch)
-        memory = self.memory(batch)
-        loss, kl = self._teacher_forced(batch, memory, targets, prompt_ids)
-        self.log_dict({"train/loss": loss, "train/kl": kl}, prog_bar=True, batch_size=n)
-        if self.kl_in_loss():
-            loss = loss + r.beta * kl
-        if r.token_weight > 0:
-            token_loss, accuracy = self._token_loss(memory[0], self.context_token_ids(batch["context"]))
-            self.log_dict({"train/token_loss": token_loss, "train/token_acc": accuracy}, prog_bar=True, batch_size=n)
-            loss = loss + r.token_weight * token_loss
-        return loss
+        out = self.step_outputs(batch)
+        total, values = weighted_sum(self.loss_terms, self, batch, out, self.global_step)
+        logged = {"train/loss": total, "train/kl": out["kl"], **{f"train/{name}": v for name, v in values.items()}}
+        if "token_acc" in out:
+            logged["train/token_acc"] = out["token_acc"]
+        self.log_dict(logged, prog_bar=True, batch_size=n)
+        return total
 
     def validation_step(self, batch, batch_idx):
         batch, targets, prompt_ids = self.tasks(batch)
         memory = self.memory(batch)
-        loss, _ = self._teacher_forced(batch, memory, targets, prompt_ids)
+        loss, _ = self.reconstruction_loss(batch, memory, targets, prompt_ids)
         n = len(batch["context"])
         self.log("val/loss", loss, prog_bar=True, batch_size=n, sync_dist=True)
         if self.token_loss:

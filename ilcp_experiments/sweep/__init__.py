@@ -81,7 +81,7 @@ file's folder and each folder above it):
         overrides: [compressor.latent_dim=32]
       - name: chunk12-64-int8
         run: chunk12-64               # evaluate the run of another point (same overrides)
-        overrides: [compressor.latent_dim=64, compressor.chunk_tokens=12]
+        overrides: [compressor.latent_dim=64, compressor.memory.chunk_tokens=12]
         payload_dtype: int8           # float32 (default), float16, bfloat16 or int8
 
 The reference run trains the variants its methods need (prompt_tuned for prompt_tuned,

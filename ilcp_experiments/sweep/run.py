@@ -247,7 +247,7 @@ def run_sweep(sweep: Sweep, *, resume: bool = False, overwrite: bool = False, lm
         summary["points"].append({
             "name": p.name, "run": p.run, "run_dir": str(cfg.run_dir), "overrides": list(p.overrides),
             "description": p.description, "payload_dtype": p.payload_dtype, "latent_dim": cfg.compressor.latent_dim,
-            "chunk_tokens": cfg.compressor.chunk_tokens, "reconstruct_steps": cfg.reconstruct.steps,
+            "chunk_tokens": cfg.compressor.memory.chunk_tokens, "reconstruct_steps": cfg.reconstruct.steps,
             "num_memory_tokens": cfg.handoff.num_memory_tokens, "training": trained[p.run]["training"],
             "train_seconds": trained[p.run]["seconds"], "evaluation": evals[p.name]["evaluation"],
             "eval_dir": evals[p.name]["dir"],

@@ -1,5 +1,10 @@
 """The sweep file read and checked into a `Sweep` (`load_sweep`), and what it asks to evaluate
-(`eval_entries`); the format is described in `ilcp_experiments.sweep`."""
+(`eval_entries`); the format is described in `ilcp_experiments.sweep`.
+
+The settings a sweep passes on are checked by their own declarations (`ilcp.settings`): a
+point's overrides by the training config's (`load_config`), its eval settings and payload dtype
+by `ilcp.eval_config.EvalConfig`'s bounds and choices; this module keeps only the sweep's own
+defaults."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from pathlib import Path
 import yaml
 from ilcp.config import TrainConfig, flatten, load_config
 from ilcp.config_sections import VARIANTS
-from ilcp.names import PAYLOAD_DTYPES as DTYPES
+from ilcp.eval_config import EvalConfig
+from ilcp.settings import declared
 from ilcp.names import split_task_names
 from ilcp.evaluation.registry import expand_method_names, make_method
 from ilcp.evaluation.run import parse_task
@@ -56,6 +62,10 @@ _SELECTION_FAMILIES = ("rclc", "kv_relay")
 
 
 _SWEEP_OWNED = ("run_name", "out_dir", "handoff.variants")  # set by the sweep for every run
+
+# eval's declared settings (bounds, choices), which the sweep's eval settings are checked by
+_EVAL = {d.name: d for d in declared(EvalConfig)}
+DTYPES = _EVAL["payload_dtype"].meta["choices"]
 
 
 class SweepError(ValueError):
@@ -191,8 +201,11 @@ def eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
             parse_task(t)
         except ValueError as e:
             raise SweepError(f"{where}: eval.tasks: {e}") from None
+    def declared_int(name: str) -> int:
+        return _int(raw.get(name, getattr(defaults, name)), f"eval.{name}", _EVAL[name].meta["minimum"], where)
+
     lim = raw.get("limit", defaults.limit)
-    lim = None if lim in (None, 0) else _int(lim, "eval.limit", 1, where)
+    lim = None if lim in (None, 0) else declared_int("limit")
     counts = raw.get("facts_counts", list(defaults.facts_counts)) or []
     if not isinstance(counts, list):
         raise SweepError(f"{where}: eval.facts_counts must be a list of ints, got {counts!r}")
@@ -201,11 +214,11 @@ def eval_settings(raw, where: Path, limit: int | None) -> EvalSettings:
         tasks=tuple(t.strip() for t in tasks),
         limit=lim,
         facts_counts=tuple(dict.fromkeys(counts)),
-        facts_count_limit=_int(raw.get("facts_count_limit", defaults.facts_count_limit), "eval.facts_count_limit", 1, where),
-        latency_n=_int(raw.get("latency_n", defaults.latency_n), "eval.latency_n", 0, where),
-        batch_size=_int(raw.get("batch_size", defaults.batch_size), "eval.batch_size", 1, where),
-        max_new_tokens=_int(raw.get("max_new_tokens", defaults.max_new_tokens), "eval.max_new_tokens", 1, where),
-        seed=_int(raw.get("seed", defaults.seed), "eval.seed", 0, where),
+        facts_count_limit=declared_int("facts_count_limit"),
+        latency_n=declared_int("latency_n"),
+        batch_size=declared_int("batch_size"),
+        max_new_tokens=declared_int("max_new_tokens"),
+        seed=declared_int("seed"),
     )
     if limit is not None:
         settings = replace(settings, limit=limit, facts_count_limit=limit)
