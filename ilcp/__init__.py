@@ -27,6 +27,7 @@ _PUBLIC = {
     "ReceivedMemory": ("ilcp.receiver.memory", "ReceivedMemory"),
     "load_lm": ("ilcp.lm", "load_lm"),
     "rclc": ("ilcp.rclc", None),
+    "receiver_framing": ("ilcp.receiver.rclc_prompts", "receiver_framing"),  # the text handoff's prompt for RCLC rows
 }
 
 __all__ = sorted(["__version__", *_PUBLIC])

@@ -12,7 +12,7 @@ import pytest
 import ilcp
 
 REPO = Path(__file__).resolve().parent.parent
-PUBLIC = ["ILCPHandoff", "LM", "PayloadError", "ReceivedMemory", "__version__", "load_lm", "rclc"]
+PUBLIC = ["ILCPHandoff", "LM", "PayloadError", "ReceivedMemory", "__version__", "load_lm", "rclc", "receiver_framing"]
 
 
 def loaded_after(code: str) -> dict:
