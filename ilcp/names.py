@@ -51,6 +51,8 @@ MEMORY_KINDS = {
     "concat": Registered("ilcp.encoder.kinds:CodecMemory", "the token codec: a chunk's token states side by side"),
     "slots": Registered("ilcp.encoder.slot_memory:SlotMemory", "learned tokens the sender's LM reads after the "
                                                                "context, one latent each"),
+    "chunk": Registered("ilcp.encoder.chunk_memory:ChunkMemory", "one vector per chunk of tokens, written by one "
+                                                                "shared MLP and read as it is"),
 }
 
 

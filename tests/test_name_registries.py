@@ -79,7 +79,7 @@ def test_every_memory_kind_resolves_to_the_class_named_by_its_entry():
     from ilcp.encoder import kinds as memory_kinds
 
     registered = memory_kinds.memory_kinds()
-    assert list(registered) == list(names.MEMORY_KINDS) == ["mean", "attention", "concat", "slots"]
+    assert list(registered) == list(names.MEMORY_KINDS) == ["mean", "attention", "concat", "slots", "chunk"]
     for name, entry in names.MEMORY_KINDS.items():
         assert registered[name] is resolve(entry.target) and registered[name].kind == name
         assert memory_kinds.memory_kind_for({"kind": name, **registered[name]().entries()}) == registered[name]()

@@ -139,6 +139,9 @@ class PassThroughLatent(nn.Module):
     def reparameterise(mu: Tensor, logvar: Tensor) -> Tensor:
         return mu
 
+    def freeze_unreached(self, kl_in_loss: bool) -> None:
+        """Nothing here trains."""
+
     def latent(self, pooled: Tensor) -> Tensor:
         return self.encode(pooled)[0]
 

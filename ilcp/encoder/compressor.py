@@ -86,6 +86,12 @@ class BetaVAE(nn.Module):
         h = self.body(self.standardise(pooled))
         return self.mu_head(h), self.logvar_head(h).clamp(-10.0, 10.0)
 
+    def freeze_unreached(self, kl_in_loss: bool) -> None:
+        """Stop training what an answer loss never reaches: the decoder, and the logvar head unless
+        the loss has the posterior's KL term."""
+        self.decoder.requires_grad_(False)
+        self.logvar_head.requires_grad_(kl_in_loss)
+
     @staticmethod
     def reparameterise(mu: Tensor, logvar: Tensor) -> Tensor:
         return mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)

@@ -181,8 +181,7 @@ class HandoffModule(L.LightningModule):
         if isinstance(source, ILCPEncoder) and not source.encoder_frozen:
             # What this loss never reaches learns nothing here: frozen, so that no trainable
             # parameter goes without a gradient (which DDP refuses).
-            source.vae.decoder.requires_grad_(False)
-            source.vae.logvar_head.requires_grad_(self.kl_in_loss())
+            source.vae.freeze_unreached(kl_in_loss=self.kl_in_loss())
 
     def kl_in_loss(self) -> bool:
         """Whether the training loss has the posterior's KL term (which trains the logvar head)."""

@@ -1,0 +1,101 @@
+"""The chunk memory kind (`ilcp.encoder.chunk_memory`) through the package: a run starts its writer
+from a chunk pretraining, trains tuned vectors, exports; the export loads, sends one vector per chunk
+of tokens and answers questions on one opened memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ilcp.config import load_config
+from ilcp.handoff import ILCPHandoff
+from ilcp.training.chunk_pretrain import ChunkPretrainConfig, pretrain
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+CHUNK = ["compressor.memory.kind=chunk", "compressor.memory.chunk_tokens=4", "compressor.memory.width=8",
+         "compressor.memory.inner=16", "data.pool_layers=[0]", "compressor.answer_head_weight=0",
+         "handoff.memory_placement=in_prompt", "handoff.format_vectors=2", "handoff.variants=[ilcp]",
+         "handoff.finetune_encoder=false"]
+CONTEXT = "Mary moved to the bathroom. John went to the hallway."
+BEFORE = "Sandra left.\n"  # 8 tokens of the tiny tokenizer (two chunks), and the context's tokens follow it unchanged
+
+
+@pytest.fixture(scope="module")
+def chunk_run(tmp_path_factory, tiny_lm):
+    from ilcp.training import train
+
+    out = tmp_path_factory.mktemp("chunk-run")
+    pretrain(out / "pretrained", tiny_lm, ChunkPretrainConfig(chunk_tokens=4, batch_chunks=8, steps=3, eval_every=3,
+                                                              heldout_chunks=4, width=8, inner=16, babi_stories=10),
+             log=lambda _m: None)
+    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *CHUNK,
+                                    f"compressor.memory.writer_from={out / 'pretrained'}"])
+    result = train(cfg, lm=tiny_lm)
+    return out, result.run_dir
+
+
+def test_a_chunk_run_exports_its_pretrained_writer_and_the_kind(chunk_run):
+    out, run = chunk_run
+    config = json.loads((run / "config.json").read_text())
+    assert config["pooling"] == {"kind": "chunk", "chunk_tokens": 4, "width": 8, "inner": 16, "layers": [0],
+                                 "max_length": config["pooling"]["max_length"]}
+    weights = load_file(str(run / "model.safetensors"))
+    pretrained = load_file(str(out / "pretrained" / "state" / "writer.safetensors"))
+    writer = {k.split("pooler.writer.", 1)[1]: v for k, v in weights.items() if k.startswith("pooler.writer.")}
+    assert writer.keys() == pretrained.keys()
+    for name, tensor in pretrained.items():  # the writer stays as pretrained (handoff.finetune_encoder=false)
+        torch.testing.assert_close(writer[name], tensor)
+    assert not any(k.startswith(("vae.", "projector.")) for k in weights)  # the vector crosses as it is
+
+
+def test_a_chunk_export_sends_one_vector_per_chunk_and_answers_many_questions(chunk_run, tiny_lm):
+    _, run = chunk_run
+    handoff = ILCPHandoff.from_pretrained(run, lm=tiny_lm)
+    ids = tiny_lm.tokenizer(CONTEXT, add_special_tokens=False)["input_ids"]
+    payload = handoff.send(CONTEXT)
+    assert tuple(payload.latent.shape) == (-(-len(ids) // 4), tiny_lm.hidden_size)
+    memory = handoff.open(payload.to_bytes())
+    answers = memory.ask(["Where is Mary?", "Where is John?"], max_new_tokens=3)
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+    assert memory.ask("Where is Mary?", max_new_tokens=3) == answers[0]
+
+
+def test_a_chunks_vector_is_the_same_alone_after_other_text_and_in_a_batch(chunk_run, tiny_lm):
+    _, run = chunk_run
+    handoff = ILCPHandoff.from_pretrained(run, lm=tiny_lm)
+    tok = tiny_lm.tokenizer
+    before, context = (tok(t, add_special_tokens=False)["input_ids"] for t in (BEFORE, CONTEXT))
+    assert len(before) == 8 and tok(BEFORE + CONTEXT, add_special_tokens=False)["input_ids"] == before + context
+    alone = handoff.send(CONTEXT).latent
+    after = handoff.send(BEFORE + CONTEXT).latent
+    torch.testing.assert_close(after[2:], alone)
+    batched = handoff.send_each(["A long other context about the garden and the office, " * 3, CONTEXT])[1].latent
+    torch.testing.assert_close(batched, alone)
+
+
+def test_chunk_settings_that_cannot_train_are_refused_in_one_line(tmp_path):
+    base = [f"out_dir={tmp_path}", *CHUNK]
+    with pytest.raises(ValueError, match=r"data.pool_layers=\[0\]"):
+        load_config(TINY_CONFIG, [*base, "data.pool_layers=[-1]"])
+    with pytest.raises(ValueError, match="handoff.format_vectors > 0"):
+        load_config(TINY_CONFIG, [*base, "handoff.format_vectors=0", "handoff.memory_placement=prefix"])
+    with pytest.raises(ValueError, match="compressor.memory.chunk_tokens must be >= 1"):
+        load_config(TINY_CONFIG, [*base, "compressor.memory.chunk_tokens=0"])
+
+
+def test_a_writer_from_elsewhere_is_refused_naming_the_setting(chunk_run, tiny_lm, tmp_path):
+    from ilcp.training import train
+
+    out, _ = chunk_run
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", *CHUNK,
+                                    "compressor.memory.inner=32", f"compressor.memory.writer_from={out / 'pretrained'}"])
+    with pytest.raises(ValueError, match="compressor.memory.writer_from: .* set compressor.memory.chunk_tokens"):
+        train(cfg, lm=tiny_lm)
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", *CHUNK,
+                                    f"compressor.memory.writer_from={tmp_path / 'nothing'}", "run_name=other"])
+    with pytest.raises(ValueError, match="holds no chunk pretraining"):
+        train(cfg, lm=tiny_lm)
