@@ -99,3 +99,14 @@ def test_a_writer_from_elsewhere_is_refused_naming_the_setting(chunk_run, tiny_l
                                     f"compressor.memory.writer_from={tmp_path / 'nothing'}", "run_name=other"])
     with pytest.raises(ValueError, match="holds no chunk pretraining"):
         train(cfg, lm=tiny_lm)
+
+
+def test_the_direct_path_is_a_setting_of_the_kind_written_only_when_on():
+    from ilcp.encoder.chunk_memory import ChunkMemory
+    from ilcp.encoder.kinds import memory_kind_for
+
+    assert "direct" not in ChunkMemory().entries()
+    on = ChunkMemory(direct=True)
+    assert on.entries()["direct"] is True and memory_kind_for(on.entries()) == on
+    encoder = on.encoder(None, None, on.pooler(64, hidden_size=64))
+    assert encoder.writer.direct is not None and ChunkMemory.from_encoder(encoder) == on

@@ -213,3 +213,27 @@ def test_bad_chunk_settings_are_one_line(tmp_path, capsys):
     assert "unknown chunk pretraining setting(s) chunk_tokenz" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "run")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_direct_path_is_linear_in_the_embeddings_and_skips_padding(tiny):
+    torch.manual_seed(0)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16, direct=True)
+    x1, x2 = torch.randn(2, 1, 4, tiny.hidden_size).unbind(0)
+    with torch.no_grad():
+        torch.testing.assert_close(writer(x1), x1[:, 0])  # the direct path starts at zero
+        torch.nn.init.normal_(writer.direct, std=0.05)
+        # with the MLP's zero start the writer is linear: one map for every token of the vocabulary
+        torch.testing.assert_close(writer(x1 + x2), writer(x1) + writer(x2), atol=1e-5, rtol=1e-5)
+        padded = x1.clone()
+        padded[:, 2:] = 7.0
+        torch.testing.assert_close(writer(padded, torch.tensor([2])), writer(x1, torch.tensor([2])))
+    assert writer.settings()["direct"] is True and "direct" not in ChunkWriter(64, 4).settings()
+
+
+def test_the_direct_flag_reads_true_and_false(tmp_path, tiny):
+    from ilcp.training.chunk_pretrain import load_settings, main
+
+    cfg, _ = load_settings(None, {"direct": True})
+    assert cfg.direct is True
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "r"), "--direct", "maybe"])

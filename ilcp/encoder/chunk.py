@@ -50,9 +50,13 @@ class ChunkWriter(nn.Module):
         chunk_tokens: c, tokens per chunk.
         width: floats each token is projected to before the MLP reads the chunk.
         inner: the MLP's hidden width.
+        direct: add a path linear in the token embeddings, one (H, H) matrix per place in the
+            chunk, starting at zero: a map shared by the whole vocabulary, where the MLP's
+            nonlinear path learns frequent tokens first.
     """
 
-    def __init__(self, hidden_size: int, chunk_tokens: int, *, width: int = 256, inner: int = 1024):
+    def __init__(self, hidden_size: int, chunk_tokens: int, *, width: int = 256, inner: int = 1024,
+                 direct: bool = False):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("chunk_tokens", chunk_tokens), ("width", width),
                             ("inner", inner)):
@@ -66,10 +70,12 @@ class ChunkWriter(nn.Module):
                                  nn.Linear(inner, hidden_size))
         nn.init.zeros_(self.mlp[-1].weight)
         nn.init.zeros_(self.mlp[-1].bias)
+        self.direct = nn.Parameter(torch.zeros(chunk_tokens, hidden_size, hidden_size)) if direct else None
 
     def settings(self) -> dict:
-        return {"hidden_size": self.hidden_size, "chunk_tokens": self.chunk_tokens, "width": self.width,
-                "inner": self.inner}
+        out = {"hidden_size": self.hidden_size, "chunk_tokens": self.chunk_tokens, "width": self.width,
+               "inner": self.inner}
+        return {**out, "direct": True} if self.direct is not None else out
 
     def forward(self, embeds: Tensor, lengths: Tensor | None = None) -> Tensor:
         """``embeds`` (N, c, H): the chunks' token embeddings; ``lengths`` (N,): each chunk's real
@@ -79,11 +85,18 @@ class ChunkWriter(nn.Module):
                              f"got {tuple(embeds.shape)}")
         n, c, _ = embeds.shape
         dtype = self.token_in.weight.dtype
-        x = self.token_in(embeds.to(dtype)) + self.place[:c]
+        embeds = embeds.to(dtype)
+        x = self.token_in(embeds) + self.place[:c]
         if lengths is not None:  # rows past a chunk's end read as "past the end" alone
             real = torch.arange(c, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]
             x = torch.where(real[..., None], x, self.place[c])
-        return embeds[:, 0].to(dtype) + self.mlp(self.norm(x.reshape(n, c * self.width)))
+            embeds_in = embeds * real[..., None].to(dtype)
+        else:
+            embeds_in = embeds
+        out = embeds[:, 0] + self.mlp(self.norm(x.reshape(n, c * self.width)))
+        if self.direct is not None:
+            out = out + torch.einsum("nch,chk->nk", embeds_in, self.direct)
+        return out
 
 
 class ChunkPooler(nn.Module):

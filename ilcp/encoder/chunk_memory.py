@@ -37,6 +37,8 @@ class ChunkMemory(MemoryKind):
     width: int = setting(256, "floats each token is projected to before the writer's MLP reads the chunk", minimum=1,
                          maximum=MAX_COUNT)
     inner: int = setting(1024, "the writer MLP's hidden width", minimum=1, maximum=MAX_COUNT)
+    direct: bool = setting(False, "add to the writer a path linear in the token embeddings (one matrix per place in "
+                                  "the chunk, shared by the whole vocabulary)", omit_default=True)
     writer_from: str = setting("", "a chunk pretraining folder (python -m ilcp.training.chunk_pretrain --out DIR) "
                                    "whose writer the run starts from ('' = an untrained writer)",
                                exported=False, compare=False)
@@ -96,12 +98,13 @@ class ChunkMemory(MemoryKind):
         if not isinstance(encoder, ChunkEncoder):
             return None
         w = encoder.writer
-        return cls(chunk_tokens=w.chunk_tokens, width=w.width, inner=w.inner)
+        return cls(chunk_tokens=w.chunk_tokens, width=w.width, inner=w.inner, direct=w.direct is not None)
 
     def pooler(self, state_dim: int, hidden_size: int | None = None) -> ChunkPooler:
         from .chunk import ChunkPooler, ChunkWriter
 
-        return ChunkPooler(ChunkWriter(hidden_size or state_dim, self.chunk_tokens, width=self.width, inner=self.inner))
+        return ChunkPooler(ChunkWriter(hidden_size or state_dim, self.chunk_tokens, width=self.width, inner=self.inner,
+                                       direct=self.direct))
 
     def encoder(self, vae, projector, pooler, **receiver) -> ChunkEncoder:
         """The chunk encoder around the pooler's writer; the VAE and projector an export's spec

@@ -61,6 +61,7 @@ class ChunkPretrainConfig:
     inner: int = 1024
     babi_stories: int = 3000  # per the trained tasks together
     seed: int = 0
+    direct: bool = False  # the writer's path linear in the token embeddings (`ChunkWriter`)
     window_chunks: int = 1  # N: a text of N x c tokens read back from N vectors (1: stage a, one chunk)
     init_from: str = ""  # a chunk pretraining folder whose writer this run starts from (stage b after a)
 
@@ -300,7 +301,8 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         raise FileExistsError(f"{out} holds a chunk pretraining; pass --resume to go on with it or pick another --out")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner).to(lm.device)
+    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner,
+                         direct=cfg.direct).to(lm.device)
     opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():
@@ -383,6 +385,14 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     return rows
 
 
+def _flag(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def load_settings(path: str | None, overrides: dict) -> tuple[ChunkPretrainConfig, dict]:
     """The run's settings: a YAML file of `ChunkPretrainConfig` fields plus ``lm``, ``dtype`` and
     ``device`` (all optional), then the command line's overrides. ValueError names a wrong key."""
@@ -415,7 +425,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--resume", action="store_true", help="go on with the run in --out")
     for name, value in asdict(ChunkPretrainConfig()).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None, help=f"default {value!r}")
+        kind = _flag if isinstance(value, bool) else type(value)
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {value!r}")
     args = p.parse_args(argv)
     try:
         cfg, runtime = load_settings(args.config, {k: getattr(args, k) for k in
