@@ -187,7 +187,7 @@ def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
     torch.testing.assert_close(memory[0], alone)
 
 
-@pytest.mark.parametrize("config", ["configs/chunk-pretrain.yaml", "configs/chunk-pretrain-gpu.yaml"])
+@pytest.mark.parametrize("config", ["configs/chunk/pretrain.yaml", "configs/chunk/pretrain-gpu.yaml"])
 def test_the_shipped_recipes_run_at_tiny_size(config, tmp_path, capsys):
     """Each recipe's settings are read as they stand; at the tiny LM's size on the CPU, two steps run."""
     from pathlib import Path

@@ -101,8 +101,8 @@ def test_the_tiny_run_writes_what_the_spec_writes(tiny_run):
     assert _encoder_entries(config) == _encoder_entries(kept)
 
 
-def test_the_registry_holds_the_four_kinds_and_reads_what_names_lists():
-    assert list(memory_kinds.memory_kinds()) == ["mean", "attention", "concat", "slots"]
+def test_the_registry_holds_the_five_kinds_and_reads_what_names_lists():
+    assert list(memory_kinds.memory_kinds()) == ["mean", "attention", "concat", "slots", "chunk"]
     assert memory_kind_for({"kind": "mean"}) == MeanMemory()
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 0}) == MeanMemory()
     assert memory_kind_for({"kind": "mean", "chunk_tokens": 3}) == MeanMemory(chunk_tokens=3)

@@ -419,7 +419,7 @@ def load_settings(path: str | None, overrides: dict) -> tuple[ChunkPretrainConfi
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ilcp.training.chunk_pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="the run's folder (curve.jsonl, state/)")
-    p.add_argument("--config", help="a YAML file of settings (configs/chunk-pretrain.yaml); flags override it")
+    p.add_argument("--config", help="a YAML file of settings (configs/chunk/pretrain.yaml); flags override it")
     p.add_argument("--lm", help="the frozen LM (default smollm2-135m-instruct)")
     p.add_argument("--dtype", help="the frozen receiver's dtype: float32 (default) or bfloat16")
     p.add_argument("--device", help="cpu (default) or cuda")
