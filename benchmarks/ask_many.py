@@ -123,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"questions 2..{len(questions)}: receive {later_receive * 1000:.1f} ms, ask {later_ask * 1000:.1f} ms "
           f"on one opened memory, receive / ask {later_receive / later_ask:.2f}")
     if args.json:
-        report = {"ckpt": str(args.ckpt), "lm": handoff.lm.spec, "precision": handoff.precision,
+        from ilcp.provenance import provenance
+
+        report = {"provenance": provenance(), "ckpt": str(args.ckpt), "lm": handoff.lm.spec, "precision": handoff.precision,
                   "rounds": args.rounds, "open_s": open_s, "shared_positions": stem, "rows": rows,
                   "later_receive_s": later_receive, "later_ask_s": later_ask}
         atomic_write_json(Path(args.json), report)
