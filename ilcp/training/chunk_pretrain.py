@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from ..compat import cache_kwargs, new_dynamic_cache, output_cache
+from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cache
 from ..encoder.chunk import ChunkWriter
-from ..io import atomic_save_safetensors, atomic_write_json
+from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM, load_lm
 from ..receiver.prompts import reconstruction_prompt
 
@@ -155,8 +155,11 @@ class ChunkBatches:
             self._order, self._epoch = chunks[torch.randperm(len(chunks), generator=g)], epoch
         return self._order
 
+    def texts_per_epoch(self) -> int:
+        return len(self._epoch_chunks(0))
+
     def steps_per_epoch(self) -> int:
-        return max(1, len(self._epoch_chunks(0)) // self.batch)
+        return max(1, self.texts_per_epoch() // self.batch)
 
     def at(self, step: int) -> Tensor:
         per = self.steps_per_epoch()
@@ -183,8 +186,6 @@ class ChunkReader:
         with torch.no_grad():
             out = lm.model(input_ids=torch.tensor([self.prefix_ids], device=lm.device), use_cache=True)
         cache = output_cache(out)
-        from ..compat import cache_tensors
-
         self.prefix_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(cache)]
         self.prefix_logits = out.logits[0, -1].detach().float()  # what the instruction alone predicts next
 
@@ -323,7 +324,7 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     heldout = {name: even_sample(cut(tokenize(tok, texts), cfg.window_tokens), cfg.heldout_chunks)
                for name, texts in heldout_texts(cfg).items()}
     log(f"[chunk] corpus: {', '.join(f'{k} {len(v)} texts' for k, v in corpus.items())}; "
-        f"{len(batches._epoch_chunks(0))} texts of {cfg.window_chunks} x {cfg.chunk_tokens} tokens an epoch "
+        f"{batches.texts_per_epoch()} texts of {cfg.window_chunks} x {cfg.chunk_tokens} tokens an epoch "
         f"({batches.steps_per_epoch()} steps of {cfg.batch_chunks}); held out: "
         f"{', '.join(f'{k} {len(v)}' for k, v in heldout.items())}; writer {sum(p.numel() for p in writer.parameters()):,} "
         f"parameters")
@@ -351,8 +352,6 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
                **{name: read_back(writer, reader, chunks) for name, chunks in heldout.items()}}
         writer.train()
         rows.append(row)
-        from ..io import atomic_write_text
-
         atomic_write_text(curve_path, "".join(json.dumps(r) + "\n" for r in rows))
         _save_state(out, writer, opt, step, seconds, cfg)
         log(f"[chunk] step {step} | {seconds / 60:.1f} min | " + " | ".join(
