@@ -272,7 +272,7 @@ def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: in
     atomic_save_safetensors({k: v.detach().cpu().contiguous() for k, v in writer.state_dict().items()},
                             state / "writer.safetensors")
     atomic_save_safetensors(moments, state / "optimizer.safetensors")
-    atomic_write_json(state / "state.json", {"step": step, "seconds": round(seconds, 1), "config": asdict(cfg),
+    atomic_write_json(state / "state.json", {"step": step, "seconds": seconds, "config": asdict(cfg),
                                              "writer": writer.settings()})
 
 
