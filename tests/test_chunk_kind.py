@@ -97,7 +97,7 @@ def test_a_writer_from_elsewhere_is_refused_naming_the_setting(chunk_run, tiny_l
         train(cfg, lm=tiny_lm)
     cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", *CHUNK,
                                     f"compressor.memory.writer_from={tmp_path / 'nothing'}", "run_name=other"])
-    with pytest.raises(ValueError, match="holds no chunk pretraining"):
+    with pytest.raises(ValueError, match="holds no chunk writer"):
         train(cfg, lm=tiny_lm)
 
 

@@ -12,7 +12,6 @@ Standard library only at import time (a config naming the kind is checked before
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -39,8 +38,9 @@ class ChunkMemory(MemoryKind):
     inner: int = setting(1024, "the writer MLP's hidden width", minimum=1, maximum=MAX_COUNT)
     direct: bool = setting(False, "add to the writer a path linear in the token embeddings (one matrix per place in "
                                   "the chunk, shared by the whole vocabulary)", omit_default=True)
-    writer_from: str = setting("", "a chunk pretraining folder (python -m ilcp.training.chunk_pretrain --out DIR) "
-                                   "whose writer the run starts from ('' = an untrained writer)",
+    writer_from: str = setting("", "a shipped chunk writer (pretrained/smollm2-chunk8) or a chunk pretraining folder "
+                                   "(python -m ilcp.training.chunk_pretrain --out DIR) whose writer the run starts "
+                                   "from ('' = an untrained writer)",
                                exported=False, compare=False)
 
     # ------------------------------------------------------------------ what training asks
@@ -62,26 +62,18 @@ class ChunkMemory(MemoryKind):
 
         encoder = self.encoder(None, None, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
         if self.writer_from:
-            self.load_writer(encoder, Path(self.writer_from))
+            self.load_writer(encoder, Path(self.writer_from), lm.fingerprint)
             say(f"stage 1 (compressor): chunk memory, the writer from {self.writer_from}")
         else:
             say(f"stage 1 (compressor): chunk memory, an untrained writer (one vector per {self.chunk_tokens} tokens)")
         return encoder
 
-    def load_writer(self, encoder: ChunkEncoder, folder: Path) -> None:
-        """The writer weights of a chunk pretraining folder, whose settings must be these."""
-        from safetensors.torch import load_file
+    def load_writer(self, encoder: ChunkEncoder, folder: Path, fingerprint: str | None = None) -> None:
+        """The writer weights of a shipped writer or a chunk pretraining folder, whose settings must
+        be these (`ilcp.encoder.chunk_files`)."""
+        from .chunk_files import read_writer_state
 
-        state_json = folder / "state" / "state.json"
-        if not state_json.is_file():
-            raise ValueError(f"compressor.memory.writer_from: {folder} holds no chunk pretraining "
-                             "(state/state.json); give the --out folder of python -m ilcp.training.chunk_pretrain")
-        saved = json.loads(state_json.read_text())["writer"]
-        wanted = encoder.writer.settings()
-        if saved != wanted:
-            raise ValueError(f"compressor.memory.writer_from: {folder} holds a writer of {saved}, this run builds "
-                             f"{wanted}: set compressor.memory.chunk_tokens, width and inner to match")
-        encoder.writer.load_state_dict(load_file(str(folder / "state" / "writer.safetensors")))
+        encoder.writer.load_state_dict(read_writer_state(folder, encoder.writer.settings(), fingerprint))
 
     def describe(self) -> str:
         return "chunk memory"
