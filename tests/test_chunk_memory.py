@@ -237,3 +237,29 @@ def test_the_direct_flag_reads_true_and_false(tmp_path, tiny):
     assert cfg.direct is True
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "r"), "--direct", "maybe"])
+
+
+def test_reading_vectors_come_before_the_chunk_vectors_and_train_with_the_writer(tiny, tmp_path):
+    cfg = ChunkPretrainConfig(**{**_tiny_cfg(4).__dict__, "reading_vectors": 2})
+    rows = pretrain(tmp_path / "run", tiny, cfg, log=lambda _m: None)
+    assert [r["step"] for r in rows] == [0, 4]
+    state = json.loads((tmp_path / "run" / "state" / "state.json").read_text())
+    assert state["writer"]["reading"] == 2
+    from safetensors.torch import load_file
+
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16, reading=2)
+    writer.load_state_dict(load_file(str(tmp_path / "run" / "state" / "writer.safetensors")))
+    reader = ChunkReader(tiny)
+    start = reader.table[reader.prefix_ids[-2:]].float()
+    assert not torch.allclose(writer.reading.detach(), start)  # they trained, from the instruction's last tokens
+    windows = torch.tensor([list(range(10, 18)), list(range(20, 28))])
+    with torch.no_grad():
+        memory = write(writer, reader, windows)
+        plain = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+        plain.load_state_dict({k: v for k, v in writer.state_dict().items() if k != "reading"})
+        vectors = write(plain, reader, windows)
+    assert memory.shape == (2, 4, tiny.hidden_size)
+    torch.testing.assert_close(memory[:, :2], writer.reading.detach().expand(2, -1, -1))
+    torch.testing.assert_close(memory[:, 2:], vectors)
+    with pytest.raises(ValueError, match="reading must be an integer >= 0"):
+        ChunkWriter(64, 4, reading=-1)

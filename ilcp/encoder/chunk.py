@@ -53,11 +53,15 @@ class ChunkWriter(nn.Module):
         direct: add a path linear in the token embeddings, one (H, H) matrix per place in the
             chunk, starting at zero: a map shared by the whole vocabulary, where the MLP's
             nonlinear path learns frequent tokens first.
+        reading: tuned reading vectors, trained with the writer and read by the receiver before a
+            text's chunk vectors (`with_reading`); 0: none.
     """
 
     def __init__(self, hidden_size: int, chunk_tokens: int, *, width: int = 256, inner: int = 1024,
-                 direct: bool = False):
+                 direct: bool = False, reading: int = 0):
         super().__init__()
+        if isinstance(reading, bool) or not isinstance(reading, int) or reading < 0:
+            raise ValueError(f"ChunkWriter: reading must be an integer >= 0, got {reading!r}")
         for name, value in (("hidden_size", hidden_size), ("chunk_tokens", chunk_tokens), ("width", width),
                             ("inner", inner)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -71,11 +75,22 @@ class ChunkWriter(nn.Module):
         nn.init.zeros_(self.mlp[-1].weight)
         nn.init.zeros_(self.mlp[-1].bias)
         self.direct = nn.Parameter(torch.zeros(chunk_tokens, hidden_size, hidden_size)) if direct else None
+        self.reading = nn.Parameter(torch.zeros(reading, hidden_size)) if reading else None
 
     def settings(self) -> dict:
         out = {"hidden_size": self.hidden_size, "chunk_tokens": self.chunk_tokens, "width": self.width,
                "inner": self.inner}
-        return {**out, "direct": True} if self.direct is not None else out
+        if self.direct is not None:
+            out["direct"] = True
+        if self.reading is not None:
+            out["reading"] = int(self.reading.shape[0])
+        return out
+
+    def with_reading(self, vectors: Tensor) -> Tensor:
+        """A text's chunk vectors (B, N, H) -> (B, R + N, H): the reading vectors first (none: as given)."""
+        if self.reading is None:
+            return vectors
+        return torch.cat([self.reading.to(vectors.dtype).expand(vectors.shape[0], -1, -1), vectors], dim=1)
 
     def forward(self, embeds: Tensor, lengths: Tensor | None = None) -> Tensor:
         """``embeds`` (N, c, H): the chunks' token embeddings; ``lengths`` (N,): each chunk's real

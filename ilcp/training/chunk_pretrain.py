@@ -64,6 +64,7 @@ class ChunkPretrainConfig:
     direct: bool = False  # the writer's path linear in the token embeddings (`ChunkWriter`)
     window_chunks: int = 1  # N: a text of N x c tokens read back from N vectors (1: stage a, one chunk)
     init_from: str = ""  # a chunk pretraining folder whose writer this run starts from (stage b after a)
+    reading_vectors: int = 0  # R tuned vectors the receiver reads before every text's chunk vectors (`ChunkWriter`)
 
     @property
     def window_tokens(self) -> int:
@@ -232,11 +233,12 @@ class ChunkReader:
 
 
 def write(writer: ChunkWriter, reader: ChunkReader, windows: Tensor) -> Tensor:
-    """Windows of N x c tokens (B, N * c) -> their chunks' vectors (B, N, H), all chunks in one call."""
+    """Windows of N x c tokens (B, N * c) -> their chunks' vectors (B, N, H), all chunks in one call,
+    after the writer's R reading vectors if it has them: (B, R + N, H)."""
     b, length = windows.shape
     c = writer.chunk_tokens
     vectors = writer(reader.table[windows.reshape(b * (length // c), c).to(reader.table.device)])
-    return vectors.reshape(b, length // c, -1)
+    return writer.with_reading(vectors.reshape(b, length // c, -1))
 
 
 @torch.no_grad()
@@ -303,7 +305,7 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner,
-                         direct=cfg.direct).to(lm.device)
+                         direct=cfg.direct, reading=cfg.reading_vectors).to(lm.device)
     opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():
@@ -317,6 +319,9 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         writer.load_state_dict(load_file(Path(cfg.init_from) / "state" / "writer.safetensors"))
         log(f"[chunk] writer from {cfg.init_from}")
     reader = ChunkReader(lm)
+    if writer.reading is not None and not resume and not cfg.init_from:
+        with torch.no_grad():  # the reading vectors start as copies of the instruction's last tokens
+            writer.reading.copy_(reader.table[reader.prefix_ids[-cfg.reading_vectors:]].float())
     tok = lm.tokenizer
     corpus = chunk_corpus(cfg)
     tokens = [ids for texts in corpus.values() for ids in tokenize(tok, texts)]
