@@ -56,7 +56,8 @@ def _summary(accs: list[float]) -> dict:
             "exact": round(sum(a == 1.0 for a in accs) / n, 4)}
 
 
-def readback(writer: ChunkWriter, lm: LM, cfg: ChunkPretrainConfig, texts_per_set: int = 128) -> list[dict]:
+def readback(writer: ChunkWriter, lm: LM, cfg: ChunkPretrainConfig, texts_per_set: int = 128,
+             log=lambda _m: None) -> list[dict]:
     """Rows of held-out read-back: per source and window (vectors), the writer and no memory."""
     reader, rows = ChunkReader(lm), []
     sources = {name: tokenize(lm.tokenizer, texts) for name, texts in heldout_texts(cfg).items()}
@@ -69,6 +70,8 @@ def readback(writer: ChunkWriter, lm: LM, cfg: ChunkPretrainConfig, texts_per_se
             for memory, w in (("chunk writer", writer), ("no memory", None)):
                 rows.append({"source": name, "tokens": length, "vectors": vectors, "memory": memory,
                              **_summary(_per_text(w, reader, texts))})
+                log(f"[ship] {name}, {length} tokens from {vectors} vector(s), {memory}: token accuracy "
+                    f"{rows[-1]['token_accuracy']:.3f}, exact {rows[-1]['exact']:.3f} ({len(texts)} texts)")
     return rows
 
 
@@ -127,7 +130,7 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
     writer.load_state_dict(weights)
     writer.eval()
     log(f"[ship] reading {run}'s writer (step {meta['step']}) back on held-out texts")
-    rows = readback(writer, lm, cfg, texts_per_set)
+    rows = readback(writer, lm, cfg, texts_per_set, log)
     from ..provenance import provenance
 
     tmp = dest.parent / f".{dest.name}.partial"
