@@ -11,6 +11,7 @@ Bound agents (`bind` = `Agent`) wrap the same pieces for an existing agent loop:
     agent_x = rclc.bind(model, tokenizer, messages=history_x)
     agent_y = rclc.bind(model, tokenizer, messages=history_y)
     await rclc.transfer(agent_x, agent_y, question)
+    answers = await agent_y.ask(["Who owns Cedar?", "Where is it kept?"])  # consumes nothing
     inputs = agent_y.pop()
     agent_y.update(inputs=inputs, generation=model.generate(**inputs, return_dict_in_generate=True))
 

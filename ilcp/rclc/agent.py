@@ -22,7 +22,9 @@ until append or update changes it. ``update()`` with no arguments returns to the
 Continuations: `pop` (a received handoff) and `inputs` (the retained state) return
 ``model.generate`` inputs and record them as *pending*; `update(inputs=..., generation=...)`
 records the continuation. While inputs are pending the agent refuses to send, pop, prepare,
-append, save or load, so it never sends stale state. Every operation validates and computes
+append, save or load, so it never sends stale state. `ask` (``ilcp.rclc.questions``) answers
+several questions over one queued handoff, prefilling the part they share once, and changes
+nothing. Every operation validates and computes
 first and changes the agent last: a failed or cancelled call keeps the previous state,
 pending inputs and queue. The bound ``messages`` list is never modified.
 """
@@ -41,12 +43,13 @@ from ilcp.rclc.runtime import MODEL_LOCK, run_in_worker
 from ilcp.rclc.backends import resolve_backend
 from ilcp.rclc.continuation import Continuations, PendingInputs
 from ilcp.rclc.message import Delivery
+from ilcp.rclc.questions import Questions
 from ilcp.rclc.receiver import DEFAULT_SLOT_TEMPLATE, ReceiverPlan, RenderedPrompt
 from ilcp.rclc.report import agent_report
 from ilcp.rclc.state import SenderState, rows_match_ids
 
 
-class Agent(Continuations):
+class Agent(Continuations, Questions):
     """A bound agent: sender and receiver state over an existing model (see the module docstring).
 
     Args:

@@ -31,6 +31,7 @@ from ilcp.rclc.message import Delivery
 PLACEMENTS = ("prefix", "in_prompt")
 DEFAULT_SLOT_TEMPLATE = "Context: {context}\nQuestion: {request}"
 _SLOT = "\u2063rclc-context-slot\u2063"
+_REQUEST = "\u2063rclc-request-slot\u2063"  # stands for every request in `HFReceiver.request_stem`
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def received_token_ids(delivery: Delivery) -> torch.Tensor:
 class _Queued:
     delivery: Delivery
     prompt: RenderedPrompt
+    kept: tuple | None = None  # (key, value) of `HFReceiver.kept_for`, dropped with the entry
 
 
 class HFReceiver:
@@ -199,37 +201,65 @@ class HFReceiver:
             ValueError: a tensor request with chat history or with "in_prompt" placement, a
             string request without a tokenizer, IDs outside the vocabulary.
         """
-        history = list(self.messages or [])
-        empty = torch.zeros(1, 0, dtype=torch.long)
         if isinstance(request, torch.Tensor):
-            if history:
+            if self.messages:
                 raise ValueError("a token-ID request cannot follow chat history: its framing is unknown; pass a string")
             if self.placement == "in_prompt":
                 raise ValueError("in_prompt placement renders the request into a slot; pass a string request")
-            return RenderedPrompt(empty, hf.check_ids(request, hf.vocab_size(self.model), "request IDs"))
+            return RenderedPrompt(torch.zeros(1, 0, dtype=torch.long),
+                                  hf.check_ids(request, hf.vocab_size(self.model), "request IDs"))
         if not isinstance(request, str):
             raise TypeError(f"a request must be a string or int64 [1, tokens] IDs, got {type(request).__name__}")
         if self.tokenizer is None:
             raise ValueError("a string request needs the receiver's tokenizer")
-        limit = hf.text_limit(self.model)
-        text_input("the request", request, limit)  # before the template renders it
+        text_input("the request", request, hf.text_limit(self.model))  # before the template renders it
+        before, after = self._prompt_text(request)
+        return RenderedPrompt(self._encode(before), self._encode(after))
+
+    def _prompt_text(self, request: str) -> tuple[str, str]:
+        """The rendered prompt text for a string request, split at the rows (``before`` is empty
+        for "prefix" placement)."""
+        if self.tokenizer is None:
+            raise ValueError("a string request needs the receiver's tokenizer")
+        history = list(self.messages or [])
         content = request
         if self.placement == "in_prompt":
             content = self.slot_template.replace("{request}", request).replace("{context}", _SLOT)
         if getattr(self.tokenizer, "chat_template", None):
             text = hf.render_chat(self.tokenizer, history + [{"role": "user", "content": content}],
-                                  add_generation_prompt=True, max_tokens=limit)
+                                  add_generation_prompt=True, max_tokens=hf.text_limit(self.model))
         elif history:
             raise ValueError("chat history needs a tokenizer with a chat template")
         else:
             text = content
         if self.placement == "prefix":
-            return RenderedPrompt(empty, hf.encode_text(self.tokenizer, text, limit, what="the receiver's prompt"))
+            return "", text
         if text.count(_SLOT) != 1:
             raise ValueError("the chat template did not keep the context slot intact")
         before, after = text.split(_SLOT)
-        return RenderedPrompt(hf.encode_text(self.tokenizer, before, limit, what="the receiver's prompt"),
-                              hf.encode_text(self.tokenizer, after, limit, what="the receiver's prompt"))
+        return before, after
+
+    def _encode(self, text: str) -> torch.Tensor:
+        if not text:
+            return torch.zeros(1, 0, dtype=torch.long)
+        return hf.encode_text(self.tokenizer, text, hf.text_limit(self.model), what="the receiver's prompt")
+
+    def request_stem(self) -> RenderedPrompt | None:
+        """What the prompt of every string request shares around the rows, against the current
+        history: ``before`` the rows as rendered, and ``after`` them the IDs of the text before
+        the request less the last one (which a request's first characters could merge with).
+
+        None where the request stands before the rows (an "in_prompt" slot template that puts
+        ``{request}`` before ``{context}``): then no part holding the rows is shared.
+
+        Raises:
+            ValueError: no tokenizer, or a history the template cannot render.
+        """
+        before, after = self._prompt_text(_REQUEST)
+        if _REQUEST in before or after.count(_REQUEST) != 1:
+            return None
+        head = self._encode(after.split(_REQUEST)[0])
+        return RenderedPrompt(self._encode(before), head[:, :max(int(head.shape[1]) - 1, 0)])
 
     def handoff_space(self, request, max_new_tokens: int | None = None) -> int:
         """Positions left for received rows: context limit - rendered prompt - output allowance."""
@@ -280,6 +310,18 @@ class HFReceiver:
         if not self._queue:
             raise IndexError("the receiver has no queued handoff")
         return self._queue[0].delivery
+
+    def kept_for(self, delivery: Delivery, key, build):
+        """``build()``'s value for ``key``, kept with the queued ``delivery`` until it is consumed:
+        built again only for another key (`Agent.ask` keeps the shared part's cache here). A
+        delivery no longer queued gets ``build()``'s value, not kept."""
+        queued = tuple(self._queue)  # a copy: a transfer may queue another handoff meanwhile
+        entry = next((e for e in queued if e.delivery is delivery), None)
+        if entry is None:
+            return build()
+        if entry.kept is None or entry.kept[0] != key:
+            entry.kept = (key, build())
+        return entry.kept[1]
 
     def pop(self, prompt=None, max_new_tokens: int | None = None) -> dict:
         """Generate inputs for the next delivery, consuming it only when they are ready.
