@@ -50,7 +50,7 @@ TRAINED_BABI = ("1", "3", "6", "7", "8", "9", "10", "15", "17", "18", "19", "20"
 @dataclass
 class ChunkPretrainConfig:
     chunk_tokens: int = 8
-    batch_chunks: int = 32
+    batch_chunks: int = 32  # texts a step (each of window_chunks chunks)
     steps: int = 1500
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -382,8 +382,9 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         step += 1
         if step % 25 == 0:
             elapsed = seconds + time.perf_counter() - last
+            chunks_per_s = cfg.batch_chunks * cfg.window_chunks * step / max(elapsed, 1e-9)
             log(f"[chunk] step {step}/{cfg.steps} | loss {sum(losses[-25:]) / len(losses[-25:]):.3f} | "
-                f"{elapsed / step if step else 0:.2f} s/step | {cfg.batch_chunks * step / max(elapsed, 1e-9):.1f} chunks/s")
+                f"{elapsed / step if step else 0:.2f} s/step | {chunks_per_s:.1f} chunks/s")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             evaluate()
     return rows
