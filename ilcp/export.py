@@ -7,6 +7,8 @@
       prompt_tuned.safetensors     soft_prompt (K, H)
       cold_read_tuned.safetensors  soft_prompt (K, H)
       selection_tuned.safetensors  soft_prompt (K, H), when handoff.variants has selection_tuned
+                                   (K: config.json's tuned_vectors where the memory reads another K,
+                                   as the chunk memory's one vector a chunk; else num_memory_tokens)
       train_config.yaml            the resolved training config
       metrics.json                 validation curves and final figures per variant
       README.md                    a short model card: base LM, fingerprint, task, metrics, loading
@@ -329,9 +331,15 @@ def _field(config: dict, dotted: str, kind, where: Path, *, minimum=None, requir
 
 
 # config.json's own top-level entries (beside the encoder's, `EncoderSpec.config_keys`)
-RUN_ENTRIES = frozenset({"format", "format_version", "package_version", "lm", "num_memory_tokens", "task",
-                         "heldout_tasks", "task_settings", "files", "digests", "train_config", "metrics", SIGNATURE,
+RUN_ENTRIES = frozenset({"format", "format_version", "package_version", "lm", "num_memory_tokens", "tuned_vectors",
+                         "task", "heldout_tasks", "task_settings", "files", "digests", "train_config", "metrics", SIGNATURE,
                          CONFIG_DIGEST})
+
+
+def tuned_vectors(config: dict) -> int:
+    """The tuned baselines' K (prompt_tuned, cold_read_tuned): ``tuned_vectors`` where the memory
+    reads another K per latent (the chunk memory's one vector a chunk), else ``num_memory_tokens``."""
+    return int(config.get("tuned_vectors", config["num_memory_tokens"]))
 
 
 def _check_schema(config: dict, where: Path) -> None:
@@ -357,6 +365,7 @@ def _check_schema(config: dict, where: Path) -> None:
             raise ExportError(f"{where}: unknown entry files.{name} (this package reads ilcp, {', '.join(BASELINES)})")
     if files:
         _field(config, "num_memory_tokens", int, where, minimum=1)
+    _field(config, "tuned_vectors", int, where, minimum=1, required=False)
     digests = _field(config, "digests", dict, where, required=False)
     if digests is not None and not all(isinstance(v, str) for v in digests.values()):
         raise ExportError(f"{where}: digests must map file names to sha256 hex strings")
@@ -401,7 +410,7 @@ def read_export(path: str | Path, key: bytes | None = None) -> ExportedRun:
         if name == "ilcp":
             run.encoder = _build(run.spec, config["lm"]["hidden_size"], state, str(path / fname), path / CONFIG_FILE)
         else:
-            shape = (config["num_memory_tokens"], config["lm"]["hidden_size"])
+            shape = (tuned_vectors(config), config["lm"]["hidden_size"])
             run.soft_prompts[name] = load_soft_prompt(state, source=str(path / fname), shape=shape)
     return run
 

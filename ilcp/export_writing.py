@@ -15,7 +15,7 @@ from .encoder.model import ILCPEncoder, MemorySource
 from .encoder.spec import EncoderSpec, ExportError
 from .encoder.kinds import config_value
 from .export import (BASELINES, CARD_FILE, CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, MODEL_FILE, encoder_state,
-                     trained_state)
+                     trained_state, tuned_vectors)
 from .export_integrity import SIGNATURE, file_digest, seal_config
 from .io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 
@@ -85,6 +85,8 @@ def export_run(cfg, lm, sources: dict[str, MemorySource], metrics: dict, precisi
     spec = EncoderSpec.from_encoder(sources["ilcp"], d.pool_layers, max_length) if "ilcp" in sources else None
     if spec is not None:
         config.update(spec.to_config())
+    if config["num_memory_tokens"] != cfg.handoff.num_memory_tokens and set(files) - {"ilcp"}:
+        config["tuned_vectors"] = cfg.handoff.num_memory_tokens  # the tuned baselines' K, not the memory's
     atomic_write_text(run_dir / CARD_FILE, model_card(config, spec, metrics))
     atomic_write_json(run_dir / CONFIG_FILE, seal_config(config, key))
     return run_dir
@@ -103,7 +105,7 @@ def model_card(config: dict, spec: EncoderSpec | None, metrics: dict | None = No
                   f"each read as {spec.num_memory_tokens} memory vectors."]
     for name in BASELINES:
         if name in config.get("files", {}):
-            lines.append(f"- {name} ({config['files'][name]}): {config['num_memory_tokens']} learned vectors.")
+            lines.append(f"- {name} ({config['files'][name]}): {tuned_vectors(config)} learned vectors.")
     variants = (metrics or {}).get("variants", {})
     if variants:
         lines += ["", "| variant | best validation exact match | at step | of steps |", "|---|---|---|---|"]

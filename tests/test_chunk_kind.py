@@ -33,7 +33,8 @@ def chunk_run(tmp_path_factory, tiny_lm):
                                                               heldout_chunks=4, width=8, inner=16, babi_stories=10),
              log=lambda _m: None)
     cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *CHUNK,
-                                    f"compressor.memory.writer_from={out / 'pretrained'}"])
+                                    f"compressor.memory.writer_from={out / 'pretrained'}",
+                                    "handoff.variants=[cold_read_tuned,ilcp]", "handoff.num_memory_tokens=3"])
     result = train(cfg, lm=tiny_lm)
     return out, result.run_dir
 
@@ -50,6 +51,17 @@ def test_a_chunk_run_exports_its_pretrained_writer_and_the_kind(chunk_run):
     for name, tensor in pretrained.items():  # the writer stays as pretrained (handoff.finetune_encoder=false)
         torch.testing.assert_close(writer[name], tensor)
     assert not any(k.startswith(("vae.", "projector.")) for k in weights)  # the vector crosses as it is
+
+
+def test_the_tuned_baselines_keep_their_own_k_beside_one_vector_a_chunk(chunk_run):
+    from ilcp.export import read_export
+
+    _, run = chunk_run
+    config = json.loads((run / "config.json").read_text())
+    assert config["num_memory_tokens"] == 1 and config["tuned_vectors"] == 3
+    exported = read_export(run)
+    assert tuple(exported.soft_prompts["cold_read_tuned"].shape) == (3, 64)
+    assert "cold_read_tuned (cold_read_tuned.safetensors): 3 learned vectors." in (run / "README.md").read_text()
 
 
 def test_a_chunk_export_sends_one_vector_per_chunk_and_answers_many_questions(chunk_run, tiny_lm):
