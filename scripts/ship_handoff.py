@@ -1,0 +1,160 @@
+"""Ship a trained handoff in the repository: its whole export, checked, plus a card with its
+evaluation, so that `ILCPHandoff.from_pretrained(FOLDER)` sends and receives with no training.
+
+    python train.py --config configs/general-chunk.yaml
+    python eval.py --ckpt checkpoints/general-chunk --only-tasks --tasks ... --out results/general-chunk
+    python scripts/ship_handoff.py checkpoints/general-chunk --results results/general-chunk/results.json \
+        --out pretrained/smollm2-general-chunk8
+
+The export (config.json, every weights file it names, train_config.yaml, metrics.json) is read
+as every export is (`ilcp.export.read_export`: schema, config.json's own digest, the weights'
+sha256) and must hold an ILCP encoder; all its files together stay under `MAX_SHIPPED_BYTES`.
+``--results`` is the eval.py results.json that measured this export (its fingerprint is
+compared): the card's table is read from it, each task with its questions and 95% intervals,
+held-out tasks marked. The files are copied into a folder beside the destination and renamed into
+place once complete and read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from ilcp.export import CONFIG_FILE, ExportError, read_export
+from ilcp.io import atomic_write_text
+
+MAX_SHIPPED_BYTES = 20 << 20
+METHODS = ("ilcp", "cold_read_tuned", "prompt_tuned")
+
+
+def _score(task: str, m: dict | None) -> str:
+    if m is None:
+        return "-"
+    key = "f1" if task == "squad" else "exact_match"
+    lo, hi = m.get(f"{key}_ci") or (None, None)
+    return f"{100 * m[key]:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]" if lo is not None else f"{100 * m[key]:.1f}"
+
+
+def results_table(results: dict) -> list[str]:
+    """One row per task (held-out tasks last): the score of each of `METHODS`, questions, and
+    ILCP's wire bytes and receiver prefill positions beside the text's."""
+    heldout = set((results.get("run") or {}).get("heldout_tasks") or [])
+    tasks = sorted(results["tasks"], key=lambda t: (t in heldout, t != "squad", int(t.split(":")[1]) if ":" in t else 0))
+    lines = ["| task | score: ilcp | cold_read_tuned (text) | prompt_tuned (question alone) | questions "
+             "| ilcp wire bytes | prefill positions: ilcp / text |", "|---|---|---|---|---|---|---|"]
+    for name in tasks:
+        task = results["tasks"][name]
+        methods = task.get("methods") or {}
+        ilcp, text = methods.get("ilcp") or {}, methods.get("cold_read_tuned") or {}
+        label = f"{name} (held out)" if name in heldout else name
+        lines.append(f"| {label} | {_score(name, methods.get('ilcp'))} | {_score(name, methods.get('cold_read_tuned'))} "
+                     f"| {_score(name, methods.get('prompt_tuned'))} | {task.get('n')} | {ilcp.get('wire_bytes', 0):,.0f} "
+                     f"| {ilcp.get('prefill_positions', 0):,.0f} / {text.get('prefill_positions', 0):,.0f} |")
+    return lines
+
+
+def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, results: dict, command: str) -> str:
+    h, d = train_config["handoff"], train_config["data"]
+    memory = train_config["compressor"]["memory"]
+    seconds = metrics.get("total_seconds") or 0
+    prov = results.get("provenance") or {}
+    writer = memory.get("writer_from") or ""
+    return "\n".join([
+        f"# A general handoff for `{config['lm']['spec']}`, ready to use", "",
+        f"An ILCP handoff trained once over many tasks and never on the question it will be asked: the sender writes "
+        f"the context into a `{config['pooling']['kind']}` memory, the receiver (the frozen LM `{config['lm']['spec']}`, "
+        f"fingerprint `{config['lm']['fingerprint']}`; another LM is refused) reads it where the context text would "
+        f"stand in its prompt. Load it and use it as it is:", "",
+        "```python",
+        "from ilcp import ILCPHandoff",
+        f'handoff = ILCPHandoff.from_pretrained("{out}")',
+        "memory = handoff.open(handoff.send(context).to_bytes())",
+        "print(memory.ask(question))",
+        "```", "",
+        "## How it was made", "",
+        f"- Command: `{command}` (run `{run.name}`), then `python scripts/ship_handoff.py`.",
+        f"- Sender: {'the shipped writer `' + writer + '` (its card gives its pretraining)' if writer else 'trained in the run'}"
+        f"{', kept as shipped' if not h.get('finetune_encoder') else ', fine-tuned on the answers'}.",
+        f"- Answers: `{d['task']}`, {d['train_size']} rows, held out of every stage: "
+        f"{', '.join(d.get('heldout_tasks') or []) or 'none'}; {h['max_steps']} steps of batch {h['batch_size']} per "
+        f"variant ({', '.join(h['variants'])}), ilcp distilled from `{h.get('distill_teacher')}` "
+        f"(weight {h.get('distill_weight')}) plus the gold answers' cross-entropy.",
+        f"- Budget: {seconds / 60:.1f} minutes in all (compute precision {metrics.get('precision')}).",
+        "- Files: config.json (its own digest, the weights' sha256), "
+        f"{', '.join(sorted(set(config['files'].values())))}, train_config.yaml, metrics.json.", "",
+        "## How well it answers", "",
+        f"`{' '.join(prov['command']) if isinstance(prov.get('command'), list) else prov.get('command', 'eval.py')}` "
+        f"on {prov.get('date')}, {prov.get('machine')}: the first {max(t.get('n', 0) for t in results['tasks'].values())} "
+        "test questions per task; score: exact match, on SQuAD F1, % with 95% intervals. cold_read_tuned reads the "
+        "context text behind this run's tuned vectors; prompt_tuned reads the question alone: the floor a handoff must "
+        "beat.", "",
+        *results_table(results), ""])
+
+
+def ship(run: Path, out: Path, results_file: Path, *, overwrite: bool = False, command: str = "") -> Path:
+    exported = read_export(run)
+    config = exported.config
+    if exported.encoder is None:
+        raise ExportError(f"{run}: no ILCP encoder to ship (trained without 'ilcp')")
+    names = ["config.json", *sorted(set(config["files"].values())), "train_config.yaml", "metrics.json"]
+    for name in names:
+        if not (run / name).is_file():
+            raise ExportError(f"{run / name}: missing (a finished train.py run has it)")
+    size = sum((run / name).stat().st_size for name in names)
+    if size > MAX_SHIPPED_BYTES:
+        raise ExportError(f"{run}: its files take {size:,} bytes, over the {MAX_SHIPPED_BYTES:,} a shipped handoff may")
+    results = json.loads(Path(results_file).read_text())
+    if (results.get("run") or {}).get("fingerprint") != config["lm"]["fingerprint"] or not results.get("tasks"):
+        raise ValueError(f"{results_file} is not an evaluation of {run} (another LM fingerprint or no tasks)")
+    train_config = yaml.safe_load((run / "train_config.yaml").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists: pass --overwrite to replace it")
+    command = command or f"python train.py --config configs/{run.name}.yaml"
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        for name in names:
+            shutil.copy2(run / name, partial / name)
+        atomic_write_text(partial / "README.md", card(run, out, config, train_config, metrics, results, command))
+        read_export(partial)  # the copy reads back as the run did
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="a finished train.py run's folder")
+    parser.add_argument("--results", required=True, help="the eval.py results.json that measured this run")
+    parser.add_argument("--out", required=True, help="the folder written (pretrained/NAME)")
+    parser.add_argument("--command", default="", help="the command that trained the run (default: its config)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    if not (run / CONFIG_FILE).is_file():
+        parser.error(f"{run}: no {CONFIG_FILE} there (give a finished run's folder)")
+    if not Path(args.results).is_file():
+        parser.error(f"--results {args.results}: no such file")
+    try:
+        out = ship(run, Path(args.out), Path(args.results), overwrite=args.overwrite, command=args.command)
+    except (ExportError, FileExistsError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"shipped {run} to {out} ({size / 2**20:.1f} MiB): {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

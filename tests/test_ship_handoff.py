@@ -1,0 +1,61 @@
+"""scripts/ship_handoff.py: a trained run's whole export shipped with a card read from its eval, so
+that `ILCPHandoff.from_pretrained(FOLDER)` answers with no training."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ilcp.export import read_export
+from ilcp.handoff import ILCPHandoff
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name.replace(".py", ""), REPO / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ship_handoff = _script("scripts/ship_handoff.py")
+eval_script = _script("eval.py")
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    assert eval_script.main(["--ckpt", str(tiny_run.run_dir), "--tasks", "babi:1", "--limit", "4", "--latency-n", "0",
+                             "--lengths", "", "--max-new-tokens", "2", "--methods", "cold_read_tuned,prompt_tuned,ilcp",
+                             "--out", str(out), "--no-progress"]) == 0
+    return tiny_run.run_dir, out / "results.json"
+
+
+def test_a_shipped_handoff_is_the_checked_export_with_its_evaluation_and_answers(evaluated, tiny_lm, tmp_path):
+    run, results = evaluated
+    out = ship_handoff.ship(run, tmp_path / "handoff", results, command="python train.py --config configs/tiny.yaml")
+    config = json.loads((run / "config.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        {"README.md", "config.json", "train_config.yaml", "metrics.json", *config["files"].values()})
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    assert read_export(out).encoder is not None
+    card = (out / "README.md").read_text()
+    measured = json.loads(results.read_text())["tasks"]["babi:1"]["methods"]["ilcp"]["exact_match"]
+    assert f"| babi:1 | {100 * measured:.1f}" in card and "python train.py --config configs/tiny.yaml" in card
+    memory = ILCPHandoff.from_pretrained(out, lm=tiny_lm).open(
+        ILCPHandoff.from_pretrained(out, lm=tiny_lm).send("Mary went to the garden.").to_bytes())
+    assert isinstance(memory.ask("Where is Mary?", max_new_tokens=2), str)
+
+
+def test_shipping_refuses_an_existing_folder_and_foreign_results_in_one_line(evaluated, tmp_path, capsys):
+    run, results = evaluated
+    (tmp_path / "taken").mkdir()
+    args = [str(run), "--results", str(results)]
+    assert ship_handoff.main([*args, "--out", str(tmp_path / "taken")]) == 2
+    assert "exists: pass --overwrite" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({**json.loads(results.read_text()), "run": {"fingerprint": "0000"}}))
+    assert ship_handoff.main([str(run), "--results", str(foreign), "--out", str(tmp_path / "new")]) == 2
+    assert "is not an evaluation of" in capsys.readouterr().err and not (tmp_path / "new").exists()
