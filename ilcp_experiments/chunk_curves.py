@@ -38,8 +38,11 @@ def table(runs: list[dict]) -> str:
     for run in runs:
         cfg = run["config"]
         sets = sets_of(run)
+        extra = "".join([", the direct path" if cfg.get("direct") else "",
+                         f", {cfg['reading_vectors']} reading vectors" if cfg.get("reading_vectors") else "",
+                         f", from {Path(cfg['init_from']).name}" if cfg.get("init_from") else ""])
         lines += [f"### {run['name']}: c = {cfg['chunk_tokens']}, {cfg.get('window_chunks', 1)} vector(s) a text, "
-                  f"batch {cfg['batch_chunks']}, lr {cfg['lr']}", "",
+                  f"batch {cfg['batch_chunks']}, lr {cfg['lr']}{extra}", "",
                   "| step | hours | train loss | " + " | ".join(f"{s} acc / exact / loss" for s in sets) + " |",
                   "|---:|---:|---:|" + "---|" * len(sets)]
         if run["no_memory"]:
