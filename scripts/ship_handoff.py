@@ -88,12 +88,33 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         "- Files: config.json (its own digest, the weights' sha256), "
         f"{', '.join(sorted(set(config['files'].values())))}, train_config.yaml, metrics.json.", "",
         "## How well it answers", "",
-        f"`{' '.join(prov['command']) if isinstance(prov.get('command'), list) else prov.get('command', 'eval.py')}` "
-        f"on {prov.get('date')}, {prov.get('machine')}: the first {max(t.get('n', 0) for t in results['tasks'].values())} "
+        f"{_commands(prov.get('command'))} on {prov.get('date')}, {prov.get('machine')}: the first "
+        f"{max(t.get('n', 0) for t in results['tasks'].values())} "
         "test questions per task; score: exact match, on SQuAD F1, % with 95% intervals. cold_read_tuned reads the "
         "context text behind this run's tuned vectors; prompt_tuned reads the question alone: the floor a handoff must "
         "beat.", "",
-        *results_table(results), ""])
+        *results_table(results), "", summary(results), ""])
+
+
+def _commands(command) -> str:
+    commands = command if isinstance(command, list) else [command or "eval.py"]
+    return ", then ".join(f"`{c}`" for c in commands)
+
+
+def summary(results: dict) -> str:
+    """Mean scores over the trained tasks (SQuAD apart) and over the held-out ones, per method."""
+    heldout = set((results.get("run") or {}).get("heldout_tasks") or [])
+    groups = {"trained bAbI tasks": [t for t in results["tasks"] if t.startswith("babi") and t not in heldout],
+              "held-out tasks": [t for t in results["tasks"] if t in heldout]}
+    parts = []
+    for label, names in groups.items():
+        if not names:
+            continue
+        means = {m: sum((results["tasks"][t]["methods"].get(m) or {}).get("exact_match", 0.0) for t in names)
+                 / len(names) for m in METHODS}
+        parts.append(f"{label} ({len(names)}), mean exact match: ilcp {100 * means['ilcp']:.1f}, cold_read_tuned "
+                     f"{100 * means['cold_read_tuned']:.1f}, prompt_tuned {100 * means['prompt_tuned']:.1f}")
+    return "; ".join(parts) + "."
 
 
 def ship(run: Path, out: Path, results_file: Path, *, overwrite: bool = False, command: str = "") -> Path:
