@@ -63,21 +63,32 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for run in runs:
-        for s in sets_of(run):
+    # one panel per held-out set; a colour per run, the same in every panel
+    sets = list(dict.fromkeys(s for run in runs for s in sets_of(run)))
+    fig, axes = plt.subplots(2, len(sets), figsize=(4.2 * len(sets), 7), sharey="col", squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for i, run in enumerate(runs):
+        for j, s in enumerate(sets):
+            if s not in run["rows"][0]:
+                continue
             acc = [r[s]["token_accuracy"] for r in run["rows"]]
-            label = f"{run['name']}: {s}"
-            line, = axes[0].plot([r["step"] for r in run["rows"]], acc, marker="o", ms=3, label=label)
-            axes[1].plot([r["seconds"] / 3600 for r in run["rows"]], acc, marker="o", ms=3, color=line.get_color())
+            kw = {"marker": "o", "ms": 3, "color": colours(i % 10), "label": run["name"]}
+            axes[0][j].plot([r["step"] for r in run["rows"]], acc, **kw)
+            axes[1][j].plot([r["seconds"] / 3600 for r in run["rows"]], acc, **kw)
             if run["no_memory"]:
-                axes[0].axhline(run["no_memory"][s]["token_accuracy"], color=line.get_color(), ls=":", lw=1)
-    axes[0].set_xlabel("step")
-    axes[1].set_xlabel("hours trained (one CPU thread)")
-    axes[0].set_ylabel("held-out token accuracy (dotted: no memory)")
-    for ax in axes:
+                axes[0][j].axhline(run["no_memory"][s]["token_accuracy"], color=colours(i % 10), ls=":", lw=1)
+    for j, s in enumerate(sets):
+        axes[0][j].set_title(f"held out: {s}")
+    top, bottom = fig.axes[:len(sets)], fig.axes[len(sets):]
+    for ax in top:
+        ax.set_xlabel("step")
+    for ax in bottom:
+        ax.set_xlabel("hours trained (one CPU thread)")
+    top[0].set_ylabel("token accuracy (dotted: no memory)")
+    bottom[0].set_ylabel("token accuracy")
+    for ax in fig.axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    top[0].legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
