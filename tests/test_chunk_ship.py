@@ -85,3 +85,13 @@ def test_shipping_what_is_no_run_is_one_line_and_leaves_nothing(tmp_path, capsys
     assert main([str(tmp_path / "nothing"), "--out", str(tmp_path / "dest"), "--lm", "tiny-qwen3"]) == 2
     assert "holds no chunk pretraining" in capsys.readouterr().err
     assert not (tmp_path / "dest").exists()
+
+
+def test_an_unknown_lm_is_one_line_for_shipping_and_pretraining(shipped, tmp_path, capsys):
+    from ilcp.training.chunk_pretrain import main as pretrain_main
+
+    run, _ = shipped
+    assert main([str(run), "--out", str(tmp_path / "dest"), "--lm", "nosuchlm"]) == 2
+    assert "unknown LM spec 'nosuchlm'" in capsys.readouterr().err and not (tmp_path / "dest").exists()
+    assert pretrain_main(["--out", str(tmp_path / "run"), "--lm", "nosuchlm"]) == 2
+    assert "unknown LM spec 'nosuchlm'" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from torch import Tensor
 from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cache
 from ..encoder.chunk import ChunkWriter
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from ..lm import LM, load_lm
+from ..lm import LM, LMLoadError, load_lm
 from ..receiver.prompts import reconstruction_prompt
 
 HELDOUT_BABI = ("2", "11", "16")
@@ -440,10 +440,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    lm = load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"])
     try:
+        lm = load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"])
         pretrain(Path(args.out), lm, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
-    except (FileExistsError, ValueError) as e:
+    except (FileExistsError, ValueError, LMLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

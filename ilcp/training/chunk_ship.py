@@ -28,7 +28,7 @@ import torch
 from ..encoder.chunk import ChunkWriter
 from ..encoder.chunk_files import WRITER_FILE, read_writer_state, shipped_writer_config
 from ..io import atomic_write_json, atomic_write_text
-from ..lm import LM, load_lm
+from ..lm import LM, LMLoadError, load_lm
 from .chunk_pretrain import ChunkPretrainConfig, ChunkReader, cut, even_sample, heldout_texts, tokenize, write
 
 MAX_SHIPPED_BYTES = 20 << 20
@@ -168,11 +168,15 @@ def main(argv=None) -> int:
     if args.texts < 1:
         print("error: --texts must be >= 1", file=sys.stderr)
         return 2
+    if not (Path(args.run) / "state" / "state.json").is_file():  # before the LM loads
+        print(f"error: {args.run} holds no chunk pretraining (state/state.json): give the --out folder of "
+              "python -m ilcp.training.chunk_pretrain", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    lm = load_lm(args.lm, dtype="float32")
     try:
+        lm = load_lm(args.lm, dtype="float32")
         ship(Path(args.run), Path(args.out), lm, args.texts, log=lambda m: print(m, flush=True))
-    except ValueError as e:
+    except (ValueError, LMLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
