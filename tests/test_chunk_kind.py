@@ -95,6 +95,9 @@ def test_chunk_settings_that_cannot_train_are_refused_in_one_line(tmp_path):
         load_config(TINY_CONFIG, [*base, "data.pool_layers=[-1]"])
     with pytest.raises(ValueError, match="handoff.format_vectors > 0"):
         load_config(TINY_CONFIG, [*base, "handoff.format_vectors=0", "handoff.memory_placement=prefix"])
+    with pytest.raises(ValueError, match="format_from's vectors are kept frozen"):  # nothing would train
+        load_config(TINY_CONFIG, [*base, "handoff.format_vectors=0", "handoff.format_from=cold_read_tuned",
+                                  "handoff.variants=[cold_read_tuned,ilcp]"])
     with pytest.raises(ValueError, match="compressor.memory.chunk_tokens must be >= 1"):
         load_config(TINY_CONFIG, [*base, "compressor.memory.chunk_tokens=0"])
 

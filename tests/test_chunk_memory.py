@@ -213,6 +213,8 @@ def test_bad_chunk_settings_are_one_line(tmp_path, capsys):
     assert "unknown chunk pretraining setting(s) chunk_tokenz" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "run")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    assert main(["--continuation-tokens", "-4", "--out", str(tmp_path / "run")]) == 2
+    assert "continuation_tokens must be an integer >= 0, got -4" in capsys.readouterr().err
 
 
 def test_the_direct_path_is_linear_in_the_embeddings_and_skips_padding(tiny):
@@ -263,3 +265,40 @@ def test_reading_vectors_come_before_the_chunk_vectors_and_train_with_the_writer
     torch.testing.assert_close(memory[:, 2:], vectors)
     with pytest.raises(ValueError, match="reading must be an integer >= 0"):
         ChunkWriter(64, 4, reading=-1)
+
+
+def test_continuation_reads_the_rest_of_the_row_after_the_windows_vectors(tiny):
+    from ilcp.receiver.prompts import continuation_prompt
+    from ilcp.training.chunk_pretrain import read_back
+
+    follower = ChunkReader(tiny, continuation_prompt(tiny.tokenizer))
+    assert follower.prefix_ids != ChunkReader(tiny).prefix_ids
+    torch.manual_seed(2)
+    writer = ChunkWriter(tiny.hidden_size, 4, width=8, inner=16)
+    torch.nn.init.normal_(writer.mlp[-1].weight, std=0.1)
+    rows = torch.randint(5, 200, (3, 8 + 5))  # a window of 2 chunks, then 5 tokens to continue
+    got = read_back(writer, follower, rows, memory_tokens=8)
+    with torch.no_grad():
+        expected = follower.score(write(writer, follower, rows[:, :8]), rows[:, 8:])
+    assert got["loss"] == pytest.approx(float(expected["loss"]), abs=1e-4)
+    assert got["token_accuracy"] == pytest.approx(float(expected["token_accuracy"]), abs=1e-4)
+    alone = read_back(None, follower, rows, memory_tokens=8)  # no memory: the instruction, then the 5 tokens
+    assert alone["loss"] == pytest.approx(float(follower.score(None, rows[:, 8:])["loss"]), abs=1e-4)
+
+
+def test_the_window_stage_with_continuation_trains_on_both_and_curves_both(tiny, tmp_path):
+    base = {**_tiny_cfg(3).__dict__, "window_chunks": 2, "continuation_tokens": 4, "eval_every": 3}
+    rows = pretrain(tmp_path / "both", tiny, ChunkPretrainConfig(**base), log=lambda _m: None)
+    assert {"squad_continuation", "prose_continuation", "squad", "babi_heldout_tasks"} <= set(rows[-1])
+    base_line = json.loads((tmp_path / "both" / "no_memory.json").read_text())
+    assert "squad_continuation" in base_line
+    pretrain(tmp_path / "said", tiny, ChunkPretrainConfig(**{**base, "continuation_weight": 0.0}), log=lambda _m: None)
+    from safetensors.torch import load_file
+
+    both = load_file(str(tmp_path / "both" / "state" / "writer.safetensors"))
+    said = load_file(str(tmp_path / "said" / "state" / "writer.safetensors"))
+    assert not torch.allclose(both["mlp.4.weight"], said["mlp.4.weight"])  # the continuation's loss reached the writer
+    from ilcp_experiments.chunk_curves import main as curves
+
+    assert curves([str(tmp_path / "both"), "--out", str(tmp_path / "curves")]) == 0
+    assert "squad_continuation acc" in (tmp_path / "curves" / "curves.md").read_text()

@@ -50,10 +50,11 @@ class ChunkMemory(MemoryKind):
             raise ValueError("compressor.memory.kind=chunk writes from the context's input embeddings: set "
                              f"data.pool_layers=[0] (got {list(cfg.data.pool_layers)})")
         h = cfg.handoff
-        if "ilcp" in h.variants and not (h.finetune_encoder or h.format_vectors or h.format_from or h.max_steps == 0):
+        if "ilcp" in h.variants and not (h.finetune_encoder or h.format_vectors or h.max_steps == 0):
             raise ValueError("compressor.memory.kind=chunk reads its vectors as they are (no projector): train the "
                              "writer (handoff.finetune_encoder=true) or tuned vectors before the prompt "
-                             "(handoff.format_vectors > 0)")
+                             "(handoff.format_vectors > 0)"
+                             + ("; handoff.format_from's vectors are kept frozen" if h.format_from else ""))
 
     def start(self, cfg, lm, train) -> ChunkEncoder:
         """The writer, untrained (it hands over each chunk's first token) or from ``writer_from``;

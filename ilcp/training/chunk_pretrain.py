@@ -12,6 +12,12 @@ chunks from another offset (0, 3, 6, 1, ... for c = 8), so a chunk recurs only e
 Held-out read-back (`heldout_sets`): chunks of SQuAD validation paragraphs, of the books'
 validation passages, and of the held-out bAbI tasks' stories.
 
+Stage b (``window_chunks`` N > 1) reads a window of N x c tokens back from its N vectors, in order;
+with ``continuation_tokens`` M the same vectors also go on with the text: the receiver reads the
+continuation instruction, then the N vectors, and predicts the M tokens that follow the window
+(their cross-entropy, weighted by ``continuation_weight``, added to the loss), so the vectors are
+trained to serve text that comes after them as well as to be said back.
+
 The run is a curve, not a rung: held-out token accuracy and exact chunks every ``eval_every``
 steps go to ``curve.jsonl`` with the step and the seconds trained; the state (writer, AdamW
 moments, step, seconds) is written atomically as safetensors + JSON at each evaluation, so
@@ -41,7 +47,7 @@ from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cach
 from ..encoder.chunk import ChunkWriter
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM, LMLoadError, load_lm
-from ..receiver.prompts import reconstruction_prompt
+from ..receiver.prompts import continuation_prompt, reconstruction_prompt
 
 HELDOUT_BABI = ("2", "11", "16")
 TRAINED_BABI = ("1", "3", "6", "7", "8", "9", "10", "15", "17", "18", "19", "20")  # the shipped tasks, held-out ones left out
@@ -65,6 +71,19 @@ class ChunkPretrainConfig:
     window_chunks: int = 1  # N: a text of N x c tokens read back from N vectors (1: stage a, one chunk)
     init_from: str = ""  # a chunk pretraining folder whose writer this run starts from (stage b after a)
     reading_vectors: int = 0  # R tuned vectors the receiver reads before every text's chunk vectors (`ChunkWriter`)
+    continuation_tokens: int = 0  # M: the vectors also go on with the M tokens after the window (0: said back only)
+    continuation_weight: float = 1.0  # the continuation loss's weight beside the read-back's
+
+    def __post_init__(self):
+        least = {"chunk_tokens": 1, "batch_chunks": 1, "steps": 0, "eval_every": 1, "heldout_chunks": 1, "width": 1,
+                 "inner": 1, "window_chunks": 1, "reading_vectors": 0, "continuation_tokens": 0, "warmup_steps": 0}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"chunk pretraining: {name} must be an integer >= {low}, got {value!r}")
+        for name in ("lr", "continuation_weight", "weight_decay"):
+            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) >= 0:
+                raise ValueError(f"chunk pretraining: {name} must be a number >= 0, got {getattr(self, name)!r}")
 
     @property
     def window_tokens(self) -> int:
@@ -173,16 +192,18 @@ class ChunkBatches:
 
 
 class ChunkReader:
-    """The frozen receiver reading [reconstruction instruction ; one memory vector ; the chunk].
+    """The frozen receiver reading [instruction ; memory vectors ; tokens], teacher-forced.
 
-    The instruction's key/value cache is computed once; `read` runs all chunks of a batch in one
-    forward of c positions each.
+    The instruction (the reconstruction instruction unless `prompt` says otherwise) is the same for
+    every text: its key/value cache is computed once, and `logits` runs all texts of a batch in one
+    forward of their own positions.
     """
 
-    def __init__(self, lm: LM):
+    def __init__(self, lm: LM, prompt: str | None = None):
         self.lm = lm
         tok = lm.tokenizer
-        self.prefix_ids = tok(reconstruction_prompt(tok), add_special_tokens=False)["input_ids"]
+        prompt = reconstruction_prompt(tok) if prompt is None else prompt
+        self.prefix_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         self.table = lm.model.get_input_embeddings().weight
         with torch.no_grad():
             out = lm.model(input_ids=torch.tensor([self.prefix_ids], device=lm.device), use_cache=True)
@@ -242,13 +263,16 @@ def write(writer: ChunkWriter, reader: ChunkReader, windows: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def read_back(writer: ChunkWriter | None, reader: ChunkReader, chunks: Tensor, batch: int = 64) -> dict:
-    """Held-out read-back over `chunks` (writer None: no memory)."""
+def read_back(writer: ChunkWriter | None, reader: ChunkReader, chunks: Tensor, batch: int = 64,
+              memory_tokens: int | None = None) -> dict:
+    """Held-out read-back over `chunks` (writer None: no memory). With `memory_tokens` W, the
+    vectors of each row's first W tokens predict the rest of the row (the continuation)."""
     totals = {"loss": 0.0, "token_accuracy": 0.0, "exact": 0.0}
+    w = chunks.shape[1] if memory_tokens is None else memory_tokens
     for i in range(0, len(chunks), batch):
         part = chunks[i:i + batch]
-        memory = None if writer is None else write(writer, reader, part)
-        s = reader.score(memory, part)
+        memory = None if writer is None else write(writer, reader, part[:, :w])
+        s = reader.score(memory, part if memory_tokens is None else part[:, w:])
         for k in totals:
             totals[k] += float(s[k]) * len(part)
     return {k: round(v / len(chunks), 4) for k, v in totals.items()}
@@ -319,17 +343,27 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         writer.load_state_dict(load_file(Path(cfg.init_from) / "state" / "writer.safetensors"))
         log(f"[chunk] writer from {cfg.init_from}")
     reader = ChunkReader(lm)
+    follower = ChunkReader(lm, continuation_prompt(lm.tokenizer)) if cfg.continuation_tokens else None
     if writer.reading is not None and not resume and not cfg.init_from:
         with torch.no_grad():  # the reading vectors start as copies of the instruction's last tokens
             writer.reading.copy_(reader.table[reader.prefix_ids[-cfg.reading_vectors:]].float())
     tok = lm.tokenizer
     corpus = chunk_corpus(cfg)
     tokens = [ids for texts in corpus.values() for ids in tokenize(tok, texts)]
-    batches = ChunkBatches(tokens, cfg.chunk_tokens, cfg.batch_chunks, cfg.seed, cfg.window_tokens)
-    heldout = {name: even_sample(cut(tokenize(tok, texts), cfg.window_tokens), cfg.heldout_chunks)
-               for name, texts in heldout_texts(cfg).items()}
+    w, m = cfg.window_tokens, cfg.continuation_tokens
+    batches = ChunkBatches(tokens, cfg.chunk_tokens, cfg.batch_chunks, cfg.seed, w + m)
+    held_tokens = {name: tokenize(tok, texts) for name, texts in heldout_texts(cfg).items()}
+    heldout = {name: even_sample(cut(ids, w), cfg.heldout_chunks) for name, ids in held_tokens.items()}
+    following = {f"{name}_continuation": even_sample(cut(held_tokens[name], w + m), cfg.heldout_chunks)
+                 for name in ("squad", "prose") if m}
+
+    def held_out(source: ChunkWriter | None) -> dict:
+        return {**{name: read_back(source, reader, chunks) for name, chunks in heldout.items()},
+                **{name: read_back(source, follower, rows, memory_tokens=w) for name, rows in following.items()}}
+
     log(f"[chunk] corpus: {', '.join(f'{k} {len(v)} texts' for k, v in corpus.items())}; "
-        f"{batches.texts_per_epoch()} texts of {cfg.window_chunks} x {cfg.chunk_tokens} tokens an epoch "
+        f"{batches.texts_per_epoch()} texts of {cfg.window_chunks} x {cfg.chunk_tokens} tokens"
+        f"{f' and {m} to continue' if m else ''} an epoch "
         f"({batches.steps_per_epoch()} steps of {cfg.batch_chunks}); held out: "
         f"{', '.join(f'{k} {len(v)}' for k, v in heldout.items())}; writer {sum(p.numel() for p in writer.parameters()):,} "
         f"parameters")
@@ -342,7 +376,7 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     curve_path = out / "curve.jsonl"
     rows = _curve_rows(curve_path, step)
     if not rows:
-        base = {name: read_back(None, reader, chunks) for name, chunks in heldout.items()}
+        base = held_out(None)
         atomic_write_json(out / "no_memory.json", base)
         log(f"[chunk] no memory: {json.dumps(base)}")
     losses: list[float] = []
@@ -354,13 +388,14 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         writer.eval()
         row = {"step": step, "seconds": round(seconds, 1),
                "train_loss": round(sum(losses) / len(losses), 4) if losses else None,
-               **{name: read_back(writer, reader, chunks) for name, chunks in heldout.items()}}
+               **held_out(writer)}
         writer.train()
         rows.append(row)
         atomic_write_text(curve_path, "".join(json.dumps(r) + "\n" for r in rows))
         _save_state(out, writer, opt, step, seconds, cfg)
         log(f"[chunk] step {step} | {seconds / 60:.1f} min | " + " | ".join(
             f"{name} acc {row[name]['token_accuracy']:.3f} exact {row[name]['exact']:.3f}" for name in heldout)
+            + "".join(f" | {name} acc {row[name]['token_accuracy']:.3f}" for name in following)
             + (f" | train loss {row['train_loss']:.3f}" if losses else ""))
         losses.clear()
         last = time.perf_counter()
@@ -371,7 +406,10 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         chunks = batches.at(step)
         for group in opt.param_groups:
             group["lr"] = _lr_at(cfg, step)
-        loss = reader.score(write(writer, reader, chunks), chunks)["loss"]
+        memory = write(writer, reader, chunks[:, :w])
+        loss = reader.score(memory, chunks[:, :w])["loss"]
+        if m:
+            loss = loss + cfg.continuation_weight * follower.score(memory, chunks[:, w:])["loss"]
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"chunk pretraining: the loss is {float(loss)} at step {step}")
         opt.zero_grad(set_to_none=True)
