@@ -32,20 +32,22 @@ def shipped_writer_config(settings: dict, lm_spec: str, lm_dtype: str, fingerpri
                         "digests": {WRITER_FILE: file_digest(weights)}, **extra})
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, setting: str = SETTING) -> dict:
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{SETTING}: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(f"{setting}: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{SETTING}: {path} must hold a JSON mapping")
+        raise ValueError(f"{setting}: {path} must hold a JSON mapping")
     return value
 
 
-def read_writer_state(folder: Path, wanted: dict, fingerprint: str | None = None) -> dict[str, Tensor]:
+def read_writer_state(folder: Path, wanted: dict, fingerprint: str | None = None, *, setting: str = SETTING,
+                      lm_fix: str = "set lm.spec and lm.dtype to the writer's") -> dict[str, Tensor]:
     """The writer weights in `folder` (a shipped writer or a pretraining's ``state/``), whose
     settings must be `wanted`; a shipped writer's LM fingerprint must be `fingerprint` (when given)
-    and its weights must match their recorded sha256."""
+    and its weights must match their recorded sha256. Errors name `setting` (the caller's name for
+    the folder) and, for another LM, `lm_fix`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -54,34 +56,34 @@ def read_writer_state(folder: Path, wanted: dict, fingerprint: str | None = None
         from ..export_integrity import check_config_digest, file_digest
         from .spec import ExportError
 
-        config = _read_json(shipped)
+        config = _read_json(shipped, setting)
         if config.get("format") != WRITER_FORMAT:
-            raise ValueError(f"{SETTING}: {folder} holds no chunk writer (its config.json is not a {WRITER_FORMAT}); "
+            raise ValueError(f"{setting}: {folder} holds no chunk writer (its config.json is not a {WRITER_FORMAT}); "
                              "give a shipped writer or the --out folder of python -m ilcp.training.chunk_pretrain")
         try:
             if not check_config_digest(config, shipped):
-                raise ValueError(f"{SETTING}: {shipped} carries no config_digest; ship the writer again")
+                raise ValueError(f"{setting}: {shipped} carries no config_digest; ship the writer again")
         except ExportError as e:
-            raise ValueError(f"{SETTING}: {e}") from None
+            raise ValueError(f"{setting}: {e}") from None
         saved, weights = config.get("writer"), folder / WRITER_FILE
         lm = config.get("lm") or {}
         if fingerprint is not None and lm.get("fingerprint") != fingerprint:
-            raise ValueError(f"{SETTING}: {folder} was trained for LM {lm.get('spec')!r} (fingerprint "
+            raise ValueError(f"{setting}: {folder} was trained for LM {lm.get('spec')!r} (fingerprint "
                              f"{lm.get('fingerprint')}, {lm.get('dtype')}), the run's LM has fingerprint {fingerprint}: "
-                             "set lm.spec and lm.dtype to the writer's")
+                             f"{lm_fix}")
         if not weights.is_file():
-            raise ValueError(f"{SETTING}: {folder} lacks {WRITER_FILE}")
+            raise ValueError(f"{setting}: {folder} lacks {WRITER_FILE}")
         if file_digest(weights) != (config.get("digests") or {}).get(WRITER_FILE):
-            raise ValueError(f"{SETTING}: {weights} does not match the sha256 in its config.json (changed or "
+            raise ValueError(f"{setting}: {weights} does not match the sha256 in its config.json (changed or "
                              "truncated): copy the shipped writer again")
     else:
         state_json = folder / "state" / "state.json"
         if not state_json.is_file():
-            raise ValueError(f"{SETTING}: {folder} holds no chunk writer (neither a shipped writer's config.json nor "
+            raise ValueError(f"{setting}: {folder} holds no chunk writer (neither a shipped writer's config.json nor "
                              "a pretraining's state/state.json); give a shipped writer or the --out folder of "
                              "python -m ilcp.training.chunk_pretrain")
-        saved, weights = _read_json(state_json).get("writer"), folder / "state" / WRITER_FILE
+        saved, weights = _read_json(state_json, setting).get("writer"), folder / "state" / WRITER_FILE
     if saved != wanted:
-        raise ValueError(f"{SETTING}: {folder} holds a writer of {saved}, this run builds {wanted}: set "
+        raise ValueError(f"{setting}: {folder} holds a writer of {saved}, this run builds {wanted}: set "
                          "compressor.memory.chunk_tokens, width, inner and direct to match")
     return load_file(str(weights))
