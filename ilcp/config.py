@@ -73,7 +73,8 @@ class TrainConfig:
         c.memory.check_run(self)
         if self.reconstruct.enabled and "ilcp" not in self.handoff.variants:
             raise ValueError("reconstruct.steps > 0 trains the ilcp encoder: add ilcp to handoff.variants")
-        if self.handoff.max_steps == 0 and not (self.reconstruct.enabled or self.compressor.init_from):
+        if self.handoff.max_steps == 0 and not (self.reconstruct.enabled or self.compressor.init_from
+                                                or c.memory.exports_as_started):
             raise ValueError("handoff.max_steps=0 exports the encoder without an answer stage: it needs a pretraining "
                              "stage (reconstruct.steps > 0) or compressor.init_from to have trained it")
         if (self.reconstruct.token_steps > 0 or self.reconstruct.token_weight > 0) and not (

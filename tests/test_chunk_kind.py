@@ -125,3 +125,34 @@ def test_the_direct_path_is_a_setting_of_the_kind_written_only_when_on():
     assert on.entries()["direct"] is True and memory_kind_for(on.entries()) == on
     encoder = on.encoder(None, None, on.pooler(64, hidden_size=64))
     assert encoder.writer.direct is not None and ChunkMemory.from_encoder(encoder) == on
+
+
+def test_one_token_a_chunk_untrained_reads_as_the_cold_read_prompt(tmp_path, tiny_lm):
+    """The placement check: an untrained writer at c = 1 hands over each token's own embedding, so
+    the in-prompt memory's prefix is the cold-read prompt's rows (up to the cached states' bfloat16),
+    its three parts tokenized apart (the context on its own, so the boundary tokens can differ from
+    the whole prompt's by a position or two)."""
+    from ilcp.receiver.prompts import cold_read_prompt, context_slot_prompt
+    from ilcp.training import train
+
+    cfg = load_config(TINY_CONFIG, [f"out_dir={tmp_path}", f"lm.cache_dir={tmp_path / 'cache'}", *CHUNK,
+                                    "compressor.memory.chunk_tokens=1", "handoff.format_vectors=0",
+                                    "handoff.max_steps=0"])  # a chunk writer exports as it starts
+    run = train(cfg, lm=tiny_lm).run_dir
+    handoff = ILCPHandoff.from_pretrained(run, lm=tiny_lm)
+    question = "Where is Mary?"
+    got = handoff.open(handoff.send(CONTEXT).to_bytes()).prefix(question)
+    tok = tiny_lm.tokenizer
+    before, after = context_slot_prompt(tok, question)
+    ids = [i for text in (before, CONTEXT, after) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    expected = tiny_lm.model.get_input_embeddings()(torch.tensor(ids))
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.02, rtol=0.01)
+    whole = tok(cold_read_prompt(tok, CONTEXT, question), add_special_tokens=False)["input_ids"]
+    assert 0 <= len(ids) - len(whole) <= 2
+
+
+def test_the_identity_check_recipe_loads_as_it_stands():
+    cfg = load_config(TINY_CONFIG.parent / "chunk" / "identity-check.yaml", [])
+    assert cfg.compressor.memory.chunk_tokens == 1 and not cfg.compressor.memory.writer_from
+    assert cfg.handoff.max_steps == 0 and cfg.handoff.memory_placement == "in_prompt" and not cfg.handoff.format_vectors

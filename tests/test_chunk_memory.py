@@ -302,3 +302,16 @@ def test_the_window_stage_with_continuation_trains_on_both_and_curves_both(tiny,
 
     assert curves([str(tmp_path / "both"), "--out", str(tmp_path / "curves")]) == 0
     assert "squad_continuation acc" in (tmp_path / "curves" / "curves.md").read_text()
+
+
+def test_every_batch_is_whole_in_every_epoch():
+    from ilcp.training.chunk_pretrain import ChunkBatches
+
+    texts = [list(range(100 + 40 * t, 100 + 40 * t + 21 + t)) for t in range(7)]  # ragged: later offsets cut fewer
+    batches = ChunkBatches(texts, 4, 5, seed=0)
+    per = batches.steps_per_epoch()
+    first = batches._epoch_chunks(0)
+    assert len(batches._epoch_chunks(1)) < len(first)  # offset 3 leaves fewer whole chunks
+    for step in range(4 * per):
+        assert batches.at(step).shape == (5, 4)
+    assert torch.equal(torch.cat([batches.at(i) for i in range(per)]), first[:per * 5])  # epoch 0 as sliced

@@ -31,6 +31,7 @@ class ChunkMemory(MemoryKind):
     (``width`` floats per token, ``inner`` hidden) and sent as it is."""
 
     kind: ClassVar[str] = "chunk"
+    exports_as_started: ClassVar[bool] = True  # a pretrained writer (writer_from), or the untrained one's first tokens
 
     chunk_tokens: int = setting(8, "context tokens per chunk: one memory vector each", minimum=1, maximum=MAX_COUNT)
     width: int = setting(256, "floats each token is projected to before the writer's MLP reads the chunk", minimum=1,

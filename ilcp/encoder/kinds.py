@@ -112,6 +112,9 @@ class MemoryKind:
 
     kind: ClassVar[str]
     reads_sender_lm: ClassVar[bool] = False  # its encoder runs the sender's LM itself (no cached states)
+    # its encoder is usable as `start` builds it (pretrained elsewhere or readable as it starts), so
+    # handoff.max_steps=0 may export it with no training in the run
+    exports_as_started: ClassVar[bool] = False
 
     def __post_init__(self):
         for d in declared(self):

@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     try:
         lm = load_lm(args.lm, dtype=args.dtype, device=args.device)
         train_latent(args.out, lm, args.writer, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
-    except (FileExistsError, ValueError, LMLoadError) as e:
+    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -182,10 +182,12 @@ class ChunkBatches:
         return max(1, self.texts_per_epoch() // self.batch)
 
     def at(self, step: int) -> Tensor:
+        """The step's batch, always `batch` rows: an epoch cut at another offset can hold fewer rows
+        than the first (whose count sets the steps an epoch), so its last batches wrap to its start."""
         per = self.steps_per_epoch()
         chunks = self._epoch_chunks(step // per)
         i = step % per
-        return chunks[i * self.batch:(i + 1) * self.batch]
+        return chunks[(i * self.batch + torch.arange(self.batch)) % len(chunks)]
 
 
 # -------------------------------------------------------------------------------------- receiver
@@ -481,7 +483,7 @@ def main(argv=None) -> int:
     try:
         lm = load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"])
         pretrain(Path(args.out), lm, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
-    except (FileExistsError, ValueError, LMLoadError) as e:
+    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
