@@ -25,8 +25,28 @@ def read_run(folder: Path) -> dict:
     base = json.loads(base_path.read_text()) if base_path.exists() else {}
     sessions_path = folder / "sessions.json"
     sessions = json.loads(sessions_path.read_text()) if sessions_path.exists() else []
-    return {"name": folder.name, "rows": rows, "config": state["config"], "no_memory": base, "sessions": sessions,
-            "steps": state["step"], "hours": round(state["seconds"] / 3600, 2)}
+    full_path = folder / "full_width.json"  # a beta-VAE per chunk (ilcp.training.chunk_latent): the writer it narrows
+    run = {"name": folder.name, "rows": rows, "config": state["config"], "no_memory": base, "sessions": sessions,
+           "steps": state["step"], "hours": round(state["seconds"] / 3600, 2)}
+    if "vae" in state:
+        run.update(vae=state["vae"], writer_from=state["writer_from"], writer=state["writer"],
+                   full_width=json.loads(full_path.read_text()) if full_path.exists() else {})
+    return run
+
+
+def heading(run: dict) -> str:
+    cfg = run["config"]
+    if "vae" in run:
+        return (f"### {run['name']}: a beta-VAE per chunk, latent {run['vae']['latent_dim']} floats (beta "
+                f"{run['vae']['beta']}), over the writer {run['writer_from']} (c = {run['writer']['chunk_tokens']}, "
+                f"frozen); {cfg['steps']} vector-fit steps of {cfg['batch_chunks']} chunks"
+                + (f", then {cfg['receiver_steps']} read-back steps" if cfg.get("receiver_steps") else ""))
+    extra = "".join([", the direct path" if cfg.get("direct") else "",
+                     f", {cfg['reading_vectors']} reading vectors" if cfg.get("reading_vectors") else "",
+                     f", {cfg['continuation_tokens']} tokens of continuation" if cfg.get("continuation_tokens") else "",
+                     f", from {Path(cfg['init_from']).name}" if cfg.get("init_from") else ""])
+    return (f"### {run['name']}: c = {cfg['chunk_tokens']}, {cfg.get('window_chunks', 1)} vector(s) a text, "
+            f"batch {cfg['batch_chunks']}, lr {cfg['lr']}{extra}")
 
 
 def sets_of(run: dict) -> list[str]:
@@ -36,19 +56,15 @@ def sets_of(run: dict) -> list[str]:
 def table(runs: list[dict]) -> str:
     lines = []
     for run in runs:
-        cfg = run["config"]
         sets = sets_of(run)
-        extra = "".join([", the direct path" if cfg.get("direct") else "",
-                         f", {cfg['reading_vectors']} reading vectors" if cfg.get("reading_vectors") else "",
-                         f", from {Path(cfg['init_from']).name}" if cfg.get("init_from") else ""])
-        lines += [f"### {run['name']}: c = {cfg['chunk_tokens']}, {cfg.get('window_chunks', 1)} vector(s) a text, "
-                  f"batch {cfg['batch_chunks']}, lr {cfg['lr']}{extra}", "",
+        lines += [heading(run), "",
                   "| step | hours | train loss | " + " | ".join(f"{s} acc / exact / loss" for s in sets) + " |",
                   "|---:|---:|---:|" + "---|" * len(sets)]
-        if run["no_memory"]:
-            lines.append("| no memory | - | - | " + " | ".join(
-                f"{run['no_memory'][s]['token_accuracy']:.3f} / {run['no_memory'][s]['exact']:.3f} / "
-                f"{run['no_memory'][s]['loss']:.2f}" for s in sets) + " |")
+        for label, base in (("no memory", run["no_memory"]), ("the writer's full width", run.get("full_width"))):
+            if base:
+                lines.append(f"| {label} | - | - | " + " | ".join(
+                    f"{base[s]['token_accuracy']:.3f} / {base[s]['exact']:.3f} / {base[s]['loss']:.2f}" for s in sets)
+                    + " |")
         for r in run["rows"]:
             loss = "-" if r.get("train_loss") is None else f"{r['train_loss']:.3f}"
             lines.append(f"| {r['step']} | {r['seconds'] / 3600:.2f} | {loss} | " + " | ".join(
@@ -77,6 +93,8 @@ def plot(runs: list[dict], path: Path) -> None:
             axes[1][j].plot([r["seconds"] / 3600 for r in run["rows"]], acc, **kw)
             if run["no_memory"]:
                 axes[0][j].axhline(run["no_memory"][s]["token_accuracy"], color=colours(i % 10), ls=":", lw=1)
+            if run.get("full_width"):
+                axes[0][j].axhline(run["full_width"][s]["token_accuracy"], color=colours(i % 10), ls="--", lw=1)
     for j, s in enumerate(sets):
         axes[0][j].set_title(f"held out: {s}")
     top, bottom = fig.axes[:len(sets)], fig.axes[len(sets):]
@@ -84,7 +102,8 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_xlabel("step")
     for ax in bottom:
         ax.set_xlabel("hours trained (one CPU thread)")
-    top[0].set_ylabel("token accuracy (dotted: no memory)")
+    top[0].set_ylabel("token accuracy (dotted: no memory" + (", dashed: the writer's full width)"
+                                                          if any(run.get("full_width") for run in runs) else ")"))
     bottom[0].set_ylabel("token accuracy")
     for ax in fig.axes:
         ax.grid(alpha=0.3)

@@ -84,3 +84,13 @@ def test_bad_latent_settings_and_writers_are_one_line(tmp_path, capsys):
     assert main(["--writer", "pretrained/smollm2-chunk8", "--out", str(tmp_path / "o"), "--lm", "tiny-qwen3"]) == 2
     assert "--writer pretrained/smollm2-chunk8 writes vectors of 576 floats; the LM's width is 64" in \
         capsys.readouterr().err
+
+
+def test_the_curves_command_tabulates_a_latent_run_beside_its_full_width(tiny, writer_run, tmp_path):
+    from ilcp_experiments.chunk_curves import main as curves
+
+    train_latent(tmp_path / "z8", tiny, writer_run, _cfg(steps=4, eval_every=2), log=lambda _m: None)
+    assert curves([str(tmp_path / "z8"), str(writer_run), "--out", str(tmp_path / "curves")]) == 0
+    md = (tmp_path / "curves" / "curves.md").read_text()
+    assert "a beta-VAE per chunk, latent 8 floats" in md and "| the writer's full width |" in md
+    assert md.count("| no memory |") == 2 and (tmp_path / "curves" / "curves.png").stat().st_size > 0
