@@ -41,7 +41,7 @@ def test_the_shipped_writer_holds_the_runs_weights_its_figures_and_a_card(shippe
     for r in rows:
         assert 0 <= r["interval"][0] <= r["token_accuracy"] <= r["interval"][1] <= 1 and r["tokens"] == 4 * r["vectors"]
     card = (dest / "README.md").read_text()
-    assert "4 steps of 8 chunks" in card and f"`{tiny_lm.fingerprint}`" in card and "| squad | 16 | 4 | chunk writer |" in card
+    assert "4 steps of 8 texts of 1 chunk(s)" in card and f"`{tiny_lm.fingerprint}`" in card and "| squad | 16 | 4 | chunk writer |" in card
 
 
 def test_a_changed_writer_another_lm_or_other_settings_are_refused_in_one_line(shipped, tiny_lm, tmp_path):
@@ -95,3 +95,19 @@ def test_an_unknown_lm_is_one_line_for_shipping_and_pretraining(shipped, tmp_pat
     assert "unknown LM spec 'nosuchlm'" in capsys.readouterr().err and not (tmp_path / "dest").exists()
     assert pretrain_main(["--out", str(tmp_path / "run"), "--lm", "nosuchlm"]) == 2
     assert "unknown LM spec 'nosuchlm'" in capsys.readouterr().err
+
+
+def test_a_window_stage_writer_counts_the_stage_it_started_from(shipped, tiny_lm, tmp_path):
+    run, _ = shipped
+    window = tmp_path / "window"
+    pretrain(window, tiny_lm, ChunkPretrainConfig(chunk_tokens=4, batch_chunks=4, steps=2, eval_every=2, heldout_chunks=4,
+                                                  width=8, inner=16, babi_stories=10, window_chunks=2,
+                                                  continuation_tokens=4, init_from=str(run)),
+             log=lambda _m: None)
+    dest = ship(window, tmp_path / "writer", tiny_lm, texts_per_set=4, log=lambda _m: None)
+    p = json.loads((dest / "config.json").read_text())["pretraining"]
+    assert [(e["folder"], e["steps"]) for e in p["earlier_stages"]] == [(str(run), 4)]
+    card = (dest / "README.md").read_text()
+    assert f"Earlier stage (`{run}`, which this run started from): 4 steps of 8 texts of 1 chunk(s)" in card
+    assert "2 steps of 4 texts of 2 chunk(s) (AdamW, lr 0.001; 4 tokens of continuation)" in card
+    assert "hours in all." in card

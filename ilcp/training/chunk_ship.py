@@ -99,9 +99,17 @@ def card(config: dict, rows: list[dict], dest: str) -> str:
         "- Corpus: the SQuAD training paragraphs shipped in data/, the background books' training passages and "
         f"{p['config']['babi_stories']} bAbI stories of the trained tasks (held-out tasks 2, 11 and 16 left out); each "
         "epoch cuts the texts into chunks at another offset.",
-        f"- Budget: {p['steps']} steps of {p['config']['batch_chunks']} chunks (AdamW, lr {p['config']['lr']}), "
-        f"{p['seconds'] / 3600:.2f} hours trained on {sessions[0].get('machine', 'a CPU')} "
-        f"({sessions[0].get('conditions', '')}); {sessions[0]['date']}.",
+        *[f"- Earlier stage (`{e['folder']}`, which this run started from): {e['steps']} steps of "
+          f"{e['config']['batch_chunks']} texts of {e['config'].get('window_chunks', 1)} chunk(s), "
+          f"{e['seconds'] / 3600:.2f} hours." for e in p.get("earlier_stages", [])],
+        f"- Budget: {p['steps']} steps of {p['config']['batch_chunks']} texts of {p['config'].get('window_chunks', 1)} "
+        f"chunk(s) (AdamW, lr {p['config']['lr']}"
+        + (f"; {p['config']['continuation_tokens']} tokens of continuation" if p['config'].get('continuation_tokens')
+           else "")
+        + f"), {p['seconds'] / 3600:.2f} hours trained on {sessions[0].get('machine', 'a CPU')} "
+        f"({sessions[0].get('conditions', '')}); {sessions[0]['date']}"
+        + (f"; {sum(e['seconds'] for e in p['earlier_stages']) / 3600 + p['seconds'] / 3600:.2f} hours in all."
+           if p.get("earlier_stages") else "."),
         "- Files: writer.safetensors (float32), config.json (settings, LM fingerprint, the weights' sha256, its own "
         "digest, these figures), curve.jsonl (held-out read-back against steps and seconds).", "",
         "## Reading it back", "",
@@ -110,6 +118,24 @@ def card(config: dict, rows: list[dict], dest: str) -> str:
         f"right. Measured by the ship command on {config['readback_provenance']['date']}, "
         f"{config['readback_provenance']['machine']}.", "",
         *table, ""])
+
+
+def earlier_stages(meta: dict, limit: int = 8) -> list[dict]:
+    """The pretrainings a run started from (``init_from``, followed back), earliest first: each one's
+    folder, settings, steps and seconds, so a card counts every stage's budget."""
+    stages, seen = [], set()
+    source = meta["config"].get("init_from")
+    while source and len(stages) < limit and source not in seen:
+        seen.add(source)
+        state = Path(source) / "state" / "state.json"
+        if not state.is_file():
+            raise ValueError(f"the run started from {source} (init_from), which holds no state/state.json: its "
+                             "budget cannot be counted on the card; ship from where that folder is")
+        earlier = json.loads(state.read_text())
+        stages.insert(0, {"folder": str(source), "config": earlier["config"], "steps": earlier["step"],
+                          "seconds": round(earlier["seconds"], 1)})
+        source = earlier["config"].get("init_from")
+    return stages
 
 
 def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> Path:
@@ -121,6 +147,7 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
     meta = json.loads(state.read_text())
     settings = meta["writer"]
     cfg = ChunkPretrainConfig(**meta["config"])
+    stages = earlier_stages(meta)
     weights = read_writer_state(run, settings)
     size = sum(t.numel() * t.element_size() for t in weights.values())
     if size > MAX_SHIPPED_BYTES:
@@ -143,7 +170,7 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
         config = shipped_writer_config(
             settings, lm.spec, str(lm.dtype).removeprefix("torch."), lm.fingerprint, tmp / WRITER_FILE,
             pretraining={"config": meta["config"], "steps": meta["step"], "seconds": round(meta["seconds"], 1),
-                         "sessions": sessions},
+                         "sessions": sessions, **({"earlier_stages": stages} if stages else {})},
             readback=rows, readback_provenance=provenance())
         atomic_write_json(tmp / "config.json", config)
         atomic_write_text(tmp / "README.md", card(config, rows, str(dest)))
