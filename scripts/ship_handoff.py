@@ -30,6 +30,7 @@ from ilcp.io import atomic_write_text
 
 MAX_SHIPPED_BYTES = 20 << 20
 METHODS = ("ilcp", "cold_read_tuned", "prompt_tuned")
+BASELINES = ("cold_read_tuned", "prompt_tuned")
 
 
 def _score(task: str, m: dict | None) -> str:
@@ -56,6 +57,27 @@ def results_table(results: dict) -> list[str]:
                      f"| {_score(name, methods.get('prompt_tuned'))} | {task.get('n')} | {ilcp.get('wire_bytes', 0):,.0f} "
                      f"| {ilcp.get('prefill_positions', 0):,.0f} / {text.get('prefill_positions', 0):,.0f} |")
     return lines
+
+
+def merge_baselines(results: dict, baselines: dict, source: str) -> dict:
+    """`results` with the text and question-alone rows (`BASELINES`) of `baselines`, another run's
+    evaluation on the same questions (the same LM, the same tasks, the same count each), where
+    `results` has none: for a run that reads another run's tuned vectors and trains no baseline
+    of its own. ValueError when the two evaluations did not ask the same questions."""
+    if (baselines.get("run") or {}).get("fingerprint") != (results.get("run") or {}).get("fingerprint"):
+        raise ValueError(f"--baselines {source} evaluated another LM (fingerprint)")
+    merged = json.loads(json.dumps(results))
+    for name, task in merged["tasks"].items():
+        other = baselines["tasks"].get(name)
+        if other is None or other.get("n") != task.get("n") or other.get("split", "test") != task.get("split", "test"):
+            raise ValueError(f"--baselines {source} did not ask {name}'s {task.get('n')} questions "
+                             f"({'no such task' if other is None else str(other.get('n')) + ' questions'})")
+        methods = task.setdefault("methods", {})
+        for method in BASELINES:
+            if method not in methods and method in (other.get("methods") or {}):
+                methods[method] = other["methods"][method]
+    merged["baselines_from"] = source
+    return merged
 
 
 def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, results: dict, command: str) -> str:
@@ -91,8 +113,10 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         f"{_commands(prov.get('command'))} on {prov.get('date')}, {prov.get('machine')}: the first "
         f"{max(t.get('n', 0) for t in results['tasks'].values())} "
         "test questions per task; score: exact match, on SQuAD F1, % with 95% intervals. cold_read_tuned reads the "
-        "context text behind this run's tuned vectors; prompt_tuned reads the question alone: the floor a handoff must "
-        "beat.", "",
+        "context text behind " + (f"the tuned vectors this run reads too; it and prompt_tuned are from "
+                                  f"`{results['baselines_from']}`, the same questions" if results.get("baselines_from")
+                                  else "this run's tuned vectors")
+        + "; prompt_tuned reads the question alone: the floor a handoff must beat.", "",
         *results_table(results), "", summary(results), ""])
 
 
@@ -117,7 +141,8 @@ def summary(results: dict) -> str:
     return "; ".join(parts) + "."
 
 
-def ship(run: Path, out: Path, results_file: Path, *, overwrite: bool = False, command: str = "") -> Path:
+def ship(run: Path, out: Path, results_file: Path, *, overwrite: bool = False, command: str = "",
+         baselines_file: Path | None = None) -> Path:
     exported = read_export(run)
     config = exported.config
     if exported.encoder is None:
@@ -132,6 +157,8 @@ def ship(run: Path, out: Path, results_file: Path, *, overwrite: bool = False, c
     results = json.loads(Path(results_file).read_text())
     if (results.get("run") or {}).get("fingerprint") != config["lm"]["fingerprint"] or not results.get("tasks"):
         raise ValueError(f"{results_file} is not an evaluation of {run} (another LM fingerprint or no tasks)")
+    if baselines_file is not None:
+        results = merge_baselines(results, json.loads(Path(baselines_file).read_text()), str(baselines_file))
     train_config = yaml.safe_load((run / "train_config.yaml").read_text())
     metrics = json.loads((run / "metrics.json").read_text())
     if out.exists() and not overwrite:
@@ -160,15 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, help="the eval.py results.json that measured this run")
     parser.add_argument("--out", required=True, help="the folder written (pretrained/NAME)")
     parser.add_argument("--command", default="", help="the command that trained the run (default: its config)")
+    parser.add_argument("--baselines", default=None,
+                        help="another eval.py results.json on the same questions whose cold_read_tuned and "
+                             "prompt_tuned rows fill the card's (for a run that reads that run's tuned vectors)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     args = parser.parse_args(argv)
     run = Path(args.run)
     if not (run / CONFIG_FILE).is_file():
         parser.error(f"{run}: no {CONFIG_FILE} there (give a finished run's folder)")
-    if not Path(args.results).is_file():
-        parser.error(f"--results {args.results}: no such file")
+    for flag, path in (("--results", args.results), ("--baselines", args.baselines)):
+        if path is not None and not Path(path).is_file():
+            parser.error(f"{flag} {path}: no such file")
     try:
-        out = ship(run, Path(args.out), Path(args.results), overwrite=args.overwrite, command=args.command)
+        out = ship(run, Path(args.out), Path(args.results), overwrite=args.overwrite, command=args.command,
+                   baselines_file=Path(args.baselines) if args.baselines else None)
     except (ExportError, FileExistsError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,3 +59,26 @@ def test_shipping_refuses_an_existing_folder_and_foreign_results_in_one_line(eva
     foreign.write_text(json.dumps({**json.loads(results.read_text()), "run": {"fingerprint": "0000"}}))
     assert ship_handoff.main([str(run), "--results", str(foreign), "--out", str(tmp_path / "new")]) == 2
     assert "is not an evaluation of" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_baselines_from_another_evaluation_of_the_same_questions_fill_the_card(evaluated, tmp_path, capsys):
+    run, results = evaluated
+    full = json.loads(results.read_text())
+    ilcp_only = json.loads(json.dumps(full))
+    for task in ilcp_only["tasks"].values():
+        task["methods"] = {"ilcp": task["methods"]["ilcp"]}
+    alone = tmp_path / "ilcp.json"
+    alone.write_text(json.dumps(ilcp_only))
+    out = ship_handoff.ship(run, tmp_path / "handoff", alone, baselines_file=results)
+    card = (out / "README.md").read_text()
+    text = full["tasks"]["babi:1"]["methods"]["cold_read_tuned"]["exact_match"]
+    assert f"it and prompt_tuned are from `{results}`, the same questions" in card
+    assert f"| {100 * text:.1f} [" in card.split("| babi:1 |")[1].split("\n")[0]
+    fewer = json.loads(results.read_text())
+    fewer["tasks"]["babi:1"]["n"] = 3
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(fewer))
+    assert ship_handoff.main([str(run), "--results", str(alone), "--baselines", str(other),
+                              "--out", str(tmp_path / "new")]) == 2
+    assert "did not ask babi:1's 4 questions (3 questions)" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
