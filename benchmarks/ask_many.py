@@ -17,8 +17,8 @@ The two take turns question by question, so a change in machine load hits both a
 median over rounds is printed per question, with the positions each prefilled, then the mean of
 questions 2..N and the ratio receive / ask. A one-token answer's time is its time to first token.
 
-vLLM's automatic prefix caching would spare a served receiver the shared part in the same way
-where its requests carry token ids; it is not measured here.
+A served receiver on vLLM gets the same saving from its prefix caching, in whole blocks:
+`benchmarks/vllm_prefix_cache.py`.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="an export (default: the shipped SmolLM2 encoder)")
     p.add_argument("--questions", type=int, default=10, help=f"questions per context, 2..{len(QUESTIONS)}")
     p.add_argument("--rounds", type=int, default=3, help="contexts; the median per question is printed")
-    p.add_argument("--block-size", type=int, default=16, help="tokens a KV-cache block (vLLM caches whole blocks)")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="tokens a KV-cache block (vLLM caches whole blocks; its CPU attention takes multiples of 32)")
     p.add_argument("--long", action="store_true", help="SQuAD paragraphs instead of the short story")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--child", choices=["off", "on"], default=None, help=argparse.SUPPRESS)
