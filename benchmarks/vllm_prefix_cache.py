@@ -55,7 +55,8 @@ def contexts(rounds: int, long: bool) -> list[str]:
     return [f"{names[i % len(names)]} went to the office {i + 1} times. {CONTEXT}" for i in range(rounds + 1)]
 
 
-def child(ckpt: str, caching: bool, questions: int, rounds: int, block_size: int, long: bool) -> dict:
+def child(ckpt: str, caching: bool, questions: int, rounds: int, block_size: int, long: bool,
+          max_model_len: int = 4096) -> dict:
     """Times and first tokens of one mode's engine, in this process."""
     import torch
 
@@ -68,7 +69,7 @@ def child(ckpt: str, caching: bool, questions: int, rounds: int, block_size: int
     asked = QUESTIONS[:questions]
     texts = contexts(rounds, long)
     with tempfile.TemporaryDirectory(prefix="ilcp-vllm-cache-") as folder, vllm_environment(Path(folder)):
-        llm = create_engine(model_directory(handoff.lm), max_model_len=4096, enable_prefix_caching=caching,
+        llm = create_engine(model_directory(handoff.lm), max_model_len=max_model_len, enable_prefix_caching=caching,
                             block_size=block_size)
         decoder = VLLMDecoder(handoff.lm, llm)
         seconds, firsts, positions = [[] for _ in asked], [], []
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=32,
                    help="tokens a KV-cache block (vLLM caches whole blocks; its CPU attention takes multiples of 32)")
     p.add_argument("--long", action="store_true", help="SQuAD paragraphs instead of the short story")
+    p.add_argument("--max-model-len", type=int, default=4096, help="the engines' context length")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--child", choices=["off", "on"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.block_size < 1:
         p.error("--rounds and --block-size must be >= 1")
     if args.child:
-        print(json.dumps(child(args.ckpt, args.child == "on", args.questions, args.rounds, args.block_size, args.long)))
+        print(json.dumps(child(args.ckpt, args.child == "on", args.questions, args.rounds, args.block_size, args.long,
+                               args.max_model_len)))
         return 0
     from ilcp.engines.build import require_vllm
     from ilcp.export import ExportError, read_export
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("off", "on"):
         print(f"prefix caching {mode}: starting an engine ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--ckpt", args.ckpt, "--child", mode, "--questions", str(args.questions),
-               "--rounds", str(args.rounds), "--block-size", str(args.block_size)] + (["--long"] if args.long else [])
+               "--rounds", str(args.rounds), "--block-size", str(args.block_size), "--max-model-len",
+               str(args.max_model_len)] + (["--long"] if args.long else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-4000:])

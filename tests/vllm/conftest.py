@@ -22,6 +22,7 @@ import pytest
 _SPEC = importlib.util.find_spec("vllm")
 HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None  # not this folder seen as a namespace package
 ENGINE_TESTS = ["test_parity.py", "test_engine_errors.py", "test_eval_vllm.py", "test_rclc_vllm.py", "test_prefix_vllm.py",
+                "test_prefix_cache_bench.py",
                 "test_served.py"]
 
 if HAVE_VLLM:
