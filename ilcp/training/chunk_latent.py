@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,9 +39,9 @@ from torch import Tensor, nn
 from ..encoder.chunk import ChunkWriter
 from ..encoder.compressor import BetaVAE
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from ..lm import LM, LMLoadError, load_lm
-from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, chunk_corpus, cut, even_sample,
-                             heldout_texts, read_back, tokenize, write)
+from ..lm import LM
+from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, adam_moments, chunk_corpus, cut,
+                             even_sample, heldout_texts, read_back, restore_adam_moments, run_with_lm, tokenize)
 
 __all__ = ["ChunkLatentConfig", "LatentWriter", "train_latent"]
 
@@ -129,13 +128,7 @@ def _save(out: Path, model: LatentWriter, opt: torch.optim.Optimizer, step: int,
     state.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.vae.state_dict().items()},
                             state / "vae.safetensors")
-    moments = {}
-    for name, p in model.vae.named_parameters():
-        st = opt.state.get(p)
-        if st:
-            moments[f"exp_avg.{name}"] = st["exp_avg"].detach().cpu().contiguous()
-            moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().cpu().contiguous()
-    atomic_save_safetensors(moments, state / "optimizer.safetensors")
+    atomic_save_safetensors(adam_moments(model.vae, opt), state / "optimizer.safetensors")
     atomic_write_json(state / "state.json", {"step": step, "seconds": seconds, **meta})
 
 
@@ -143,11 +136,7 @@ def _load(out: Path, model: LatentWriter, opt: torch.optim.Optimizer) -> tuple[i
     state = out / "state"
     meta = json.loads((state / "state.json").read_text())
     model.vae.load_state_dict(load_file(str(state / "vae.safetensors")))
-    moments = load_file(str(state / "optimizer.safetensors"))
-    for name, p in model.vae.named_parameters():
-        if f"exp_avg.{name}" in moments:
-            opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": moments[f"exp_avg.{name}"],
-                            "exp_avg_sq": moments[f"exp_avg_sq.{name}"]}
+    restore_adam_moments(model.vae, opt, load_file(str(state / "optimizer.safetensors")), meta["step"])
     return int(meta["step"]), float(meta["seconds"])
 
 
@@ -276,14 +265,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    try:
-        lm = load_lm(args.lm, dtype=args.dtype, device=args.device)
-        train_latent(args.out, lm, args.writer, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
-    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_with_lm({"lm": args.lm, "dtype": args.dtype, "device": args.device},
+                       lambda lm: train_latent(args.out, lm, args.writer, cfg, resume=args.resume,
+                                               log=lambda m: print(m, flush=True)))
 
 
 if __name__ == "__main__":

@@ -286,20 +286,33 @@ def _lr_at(cfg: ChunkPretrainConfig, step: int) -> float:
     return cfg.lr
 
 
-def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: int, seconds: float,
-                cfg: ChunkPretrainConfig) -> None:
-    names = dict(writer.named_parameters())
+def adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """AdamW's moments of `module`'s parameters, by parameter name (safetensors-ready)."""
     moments = {}
-    for name, p in names.items():
+    for name, p in module.named_parameters():
         st = opt.state.get(p)
         if st:
             moments[f"exp_avg.{name}"] = st["exp_avg"].detach().cpu().contiguous()
             moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().cpu().contiguous()
+    return moments
+
+
+def restore_adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer, moments: dict[str, Tensor],
+                         step: int) -> None:
+    """Put `adam_moments`' tensors back into `opt` for `module`'s parameters, at `step`."""
+    for name, p in module.named_parameters():
+        if f"exp_avg.{name}" in moments:
+            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": moments[f"exp_avg.{name}"].to(p.device),
+                            "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device)}
+
+
+def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: int, seconds: float,
+                cfg: ChunkPretrainConfig) -> None:
     state = out / "state"
     state.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors({k: v.detach().cpu().contiguous() for k, v in writer.state_dict().items()},
                             state / "writer.safetensors")
-    atomic_save_safetensors(moments, state / "optimizer.safetensors")
+    atomic_save_safetensors(adam_moments(writer, opt), state / "optimizer.safetensors")
     atomic_write_json(state / "state.json", {"step": step, "seconds": seconds, "config": asdict(cfg),
                                              "writer": writer.settings()})
 
@@ -307,14 +320,21 @@ def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: in
 def _load_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW) -> tuple[int, float]:
     state = out / "state"
     meta = json.loads((state / "state.json").read_text())
-    device = next(writer.parameters()).device
     writer.load_state_dict(load_file(state / "writer.safetensors"))
-    moments = load_file(state / "optimizer.safetensors", device=str(device))
-    for name, p in writer.named_parameters():
-        if f"exp_avg.{name}" in moments:
-            opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": moments[f"exp_avg.{name}"],
-                            "exp_avg_sq": moments[f"exp_avg_sq.{name}"]}
+    restore_adam_moments(writer, opt, load_file(state / "optimizer.safetensors"), meta["step"])
     return int(meta["step"]), float(meta["seconds"])
+
+
+def run_with_lm(runtime: dict, call) -> int:
+    """The command line's tail: threads as OMP_NUM_THREADS says, the LM loaded, ``call(lm)`` run; a
+    user's mistake (or a loss that is no number) is one line on stderr and exit code 2."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    try:
+        call(load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"]))
+    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _curve_rows(path: Path, upto: int) -> list[dict]:
@@ -479,14 +499,8 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    try:
-        lm = load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"])
-        pretrain(Path(args.out), lm, cfg, resume=args.resume, log=lambda m: print(m, flush=True))
-    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_with_lm(runtime, lambda lm: pretrain(Path(args.out), lm, cfg, resume=args.resume,
+                                                    log=lambda m: print(m, flush=True)))
 
 
 if __name__ == "__main__":
