@@ -40,8 +40,9 @@ from ..encoder.chunk import ChunkWriter
 from ..encoder.compressor import BetaVAE
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
-from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, adam_moments, chunk_corpus, cut,
-                             even_sample, heldout_texts, read_back, restore_adam_moments, run_with_lm, tokenize)
+from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, chunk_corpus, cut, even_sample,
+                             heldout_texts, read_back, tokenize)
+from .chunk_run import adam_moments, restore_adam_moments, run_with_lm
 
 __all__ = ["ChunkLatentConfig", "LatentWriter", "train_latent"]
 

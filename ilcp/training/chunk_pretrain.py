@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -46,8 +45,9 @@ from torch import Tensor
 from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cache
 from ..encoder.chunk import ChunkWriter
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from ..lm import LM, LMLoadError, load_lm
+from ..lm import LM
 from ..receiver.prompts import continuation_prompt, reconstruction_prompt
+from .chunk_run import adam_moments, restore_adam_moments, run_with_lm
 
 HELDOUT_BABI = ("2", "11", "16")
 TRAINED_BABI = ("1", "3", "6", "7", "8", "9", "10", "15", "17", "18", "19", "20")  # the shipped tasks, held-out ones left out
@@ -286,26 +286,6 @@ def _lr_at(cfg: ChunkPretrainConfig, step: int) -> float:
     return cfg.lr
 
 
-def adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """AdamW's moments of `module`'s parameters, by parameter name (safetensors-ready)."""
-    moments = {}
-    for name, p in module.named_parameters():
-        st = opt.state.get(p)
-        if st:
-            moments[f"exp_avg.{name}"] = st["exp_avg"].detach().cpu().contiguous()
-            moments[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().cpu().contiguous()
-    return moments
-
-
-def restore_adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer, moments: dict[str, Tensor],
-                         step: int) -> None:
-    """Put `adam_moments`' tensors back into `opt` for `module`'s parameters, at `step`."""
-    for name, p in module.named_parameters():
-        if f"exp_avg.{name}" in moments:
-            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": moments[f"exp_avg.{name}"].to(p.device),
-                            "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device)}
-
-
 def _save_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW, step: int, seconds: float,
                 cfg: ChunkPretrainConfig) -> None:
     state = out / "state"
@@ -323,18 +303,6 @@ def _load_state(out: Path, writer: ChunkWriter, opt: torch.optim.AdamW) -> tuple
     writer.load_state_dict(load_file(state / "writer.safetensors"))
     restore_adam_moments(writer, opt, load_file(state / "optimizer.safetensors"), meta["step"])
     return int(meta["step"]), float(meta["seconds"])
-
-
-def run_with_lm(runtime: dict, call) -> int:
-    """The command line's tail: threads as OMP_NUM_THREADS says, the LM loaded, ``call(lm)`` run; a
-    user's mistake (or a loss that is no number) is one line on stderr and exit code 2."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    try:
-        call(load_lm(runtime["lm"], dtype=runtime["dtype"], device=runtime["device"]))
-    except (FileExistsError, ValueError, FloatingPointError, LMLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def _curve_rows(path: Path, upto: int) -> list[dict]:
