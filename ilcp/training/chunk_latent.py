@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..encoder.chunk import ChunkWriter
-from ..encoder.compressor import BetaVAE
+from ..encoder.compressor import BetaVAE, kl_divergence
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, chunk_corpus, cut, even_sample,
@@ -230,7 +230,7 @@ def train_latent(out: Path, lm: LM, writer_from: Path, cfg: ChunkLatentConfig, *
             mu, logvar = model.vae.encode(model.vectors(reader.table[chunks.to(reader.table.device)]))
             memory = model.decode(model.vae.reparameterise(mu, logvar)).unsqueeze(1)
             recon = reader.score(writer.with_reading(memory), chunks)["loss"]
-            kl = (-0.5 * torch.sum(1.0 + logvar - mu.pow(2) - logvar.exp(), dim=-1)).mean()
+            kl = kl_divergence(mu, logvar).mean()
             loss = recon + cfg.beta * kl
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"chunk latent: the loss is {float(loss)} at step {step}")
