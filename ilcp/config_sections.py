@@ -178,6 +178,8 @@ class HandoffConfig:
                                 minimum=0, maximum=MAX_WEIGHT)
     max_steps: int = _f(120, "optimizer steps per variant (the same budget for all variants); 0 with variants [ilcp] "
                              "and reconstruct.steps > 0: no answer stage, the encoder is exported as pretrained")
+    cold_read_tuned_steps: int = _f(0, "steps of cold_read_tuned alone, the text baseline and format_from's source "
+                                       "(0 = handoff.max_steps, the budget of every variant)", minimum=0)
     batch_size: int = _f(8, "stage-2 batch size", minimum=1)
     lr: float = _f(3e-3, "stage-2 AdamW learning rate of the projector / soft prompt", above=0, maximum=MAX_LR)
     encoder_lr: float = _f(3e-4, "stage-2 learning rate of the encoder when finetune_encoder is on",
@@ -221,6 +223,9 @@ class HandoffConfig:
             raise ValueError(f"handoff.max_steps must be >= 1 (0 only with handoff.variants=[ilcp]: a pretraining run "
                              f"that exports its encoder as the reconstruction stage left it), got {self.max_steps} "
                              f"with variants {self.variants}")
+        if self.cold_read_tuned_steps and "cold_read_tuned" not in self.variants:
+            raise ValueError("handoff.cold_read_tuned_steps sets the budget of cold_read_tuned: add it to "
+                             "handoff.variants, or leave the setting at 0")
         if self.format_vectors < 0 or (self.format_vectors and self.memory_placement == "prefix"):
             raise ValueError("handoff.format_vectors must be >= 0, and needs handoff.memory_placement=in_prompt "
                              "(with prefix memory the memory vectors are already in front)")
@@ -247,6 +252,13 @@ class HandoffConfig:
         if self.distill_teacher == "cold_read_tuned" and "cold_read_tuned" not in self.variants:
             raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "
                              "handoff.variants")
+
+    def steps_of(self, variant: str) -> int:
+        """The optimizer steps `variant` trains: handoff.max_steps, or cold_read_tuned_steps for
+        cold_read_tuned when that is set."""
+        if variant == "cold_read_tuned" and self.cold_read_tuned_steps:
+            return self.cold_read_tuned_steps
+        return self.max_steps
 
 
 @dataclass

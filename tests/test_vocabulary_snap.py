@@ -227,3 +227,17 @@ def test_the_token_loss_without_its_shape_terms_is_the_cross_entropy_alone(tiny_
         load_config(TINY_CONFIG, codec + ["reconstruct.token_logits=l2"])
     with pytest.raises(ValueError, match="token_shape_weight"):
         load_config(TINY_CONFIG, codec + ["reconstruct.token_shape_weight=-1"])
+
+
+def test_cold_read_tuned_steps_sets_that_variants_budget_alone(tmp_path, tiny_lm):
+    with pytest.raises(ValueError, match="cold_read_tuned_steps sets the budget"):
+        load_config(TINY_CONFIG, ["handoff.variants=[ilcp]", "handoff.cold_read_tuned_steps=2"])
+    cfg = load_config(TINY_CONFIG, [
+        f"out_dir={tmp_path}", "run_name=budget", "trainer.progress=false", "handoff.memory_placement=in_prompt",
+        "handoff.format_from=cold_read_tuned", "handoff.variants=[ilcp, cold_read_tuned]", "handoff.max_steps=3",
+        "handoff.cold_read_tuned_steps=2", "handoff.val_every_steps=1"])
+    assert (cfg.handoff.steps_of("cold_read_tuned"), cfg.handoff.steps_of("ilcp")) == (2, 3)
+    result = train(cfg, lm=tiny_lm)
+    variants = result.metrics["variants"]
+    assert (variants["cold_read_tuned"]["steps"], variants["ilcp"]["steps"]) == (2, 3)
+    assert [row["step"] for row in variants["cold_read_tuned"]["curve"]] == [1, 2]

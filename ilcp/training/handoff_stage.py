@@ -169,8 +169,9 @@ class HandoffModule(L.LightningModule):
 
     def __init__(self, source: MemorySource, lm: LM, cfg: HandoffConfig, val_decode_size: int = 64,
                  selected: dict[tuple[str, str], list[int]] | None = None, teacher: ConstantMemory | None = None,
-                 recompute_layers: bool = False, grouped: bool = True):
+                 recompute_layers: bool = False, grouped: bool = True, max_steps: int | None = None):
         super().__init__()
+        self.max_steps = cfg.max_steps if max_steps is None else max_steps  # the learning-rate schedule's length
         self.recompute_layers, self.grouped = recompute_layers, grouped
         self._teacher = (teacher,)  # outside the module tree: neither trained nor checkpointed here
         self.source, self.cfg, self.tokenizer, self.val_decode_size = source, cfg, lm.tokenizer, val_decode_size
@@ -367,7 +368,7 @@ class HandoffModule(L.LightningModule):
                              batch_size=self.cfg.batch_size)
 
     def configure_optimizers(self):
-        return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.cfg.max_steps,
+        return self._adamw(self.source.parameter_groups(self.cfg.lr, self.cfg.encoder_lr), self.max_steps,
                            self.cfg.warmup_steps)
 
     def _adamw(self, groups: list[dict], total: int, warmup: int) -> dict:
@@ -401,14 +402,15 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
                            teacher=teacher, recompute_layers=cfg.trainer.recompute_layers,
-                           grouped=cfg.trainer.length_groups)
+                           grouped=cfg.trainer.length_groups, max_steps=cfg.handoff.steps_of(variant))
     tr, fr = parameter_counts(module)
     h = cfg.handoff
+    steps = h.steps_of(variant)
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
-        f"{h.max_steps} steps of batch {h.batch_size}")
+        f"{steps} steps of batch {h.batch_size}")
     steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
-                                            max_steps=h.max_steps, val_every_steps=h.val_every_steps,
+                                            max_steps=steps, val_every_steps=h.val_every_steps,
                                             start=source if h.validate_start else None)
     metrics = {
         "variant": variant, "steps": steps, "train_seconds": round(seconds, 1),

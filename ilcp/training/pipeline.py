@@ -306,7 +306,7 @@ def training_order(cfg: TrainConfig) -> list[str]:
 _RESUMABLE = {"trainer.progress", "lm.cache_dir", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
               "trainer.accelerator"}
 # step budgets a resumed run may raise (it trains further), never lower
-_EXTENDABLE = {"handoff.max_steps", "reconstruct.steps"}
+_EXTENDABLE = {"handoff.max_steps", "handoff.cold_read_tuned_steps", "reconstruct.steps"}
 
 
 def _started(run_dir: Path) -> bool:
