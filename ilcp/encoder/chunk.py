@@ -14,6 +14,11 @@ the chunk's first token. The MLP's last layer starts at zero, so an untrained wr
 each chunk's first token, which the receiver reads as that token; training moves the vector from
 there (a readable start learns faster than a random one). A last chunk shorter than c is padded
 with the tokenizer's pad token and its real length is read too.
+
+By default the written vector crosses the wire as it is (`PassThroughLatent`, read as it is by
+`IdentityProjector`). With a beta-VAE per chunk (`ChunkVAE`, fitted by
+`ilcp.training.chunk_latent`) the latent crosses instead and the receiver reads its decoding
+(`DecodedVector`): ``latent`` floats a chunk on the wire in place of the LM's width.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .compressor import BetaVAE
 from .model import ILCPEncoder
 
-__all__ = ["ChunkEncoder", "ChunkPooler", "ChunkWriter", "IdentityProjector", "PassThroughLatent", "chunk_ids"]
+__all__ = ["ChunkEncoder", "ChunkPooler", "ChunkVAE", "ChunkWriter", "DecodedVector", "IdentityProjector",
+           "PassThroughLatent", "chunk_ids", "decode_vectors"]
 
 
 def chunk_ids(ids: list[int], chunk_tokens: int, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -195,15 +202,52 @@ class IdentityProjector(nn.Module):
         return memory if dtype is None else memory.to(dtype)
 
 
-class ChunkEncoder(ILCPEncoder):
-    """The encoder of a chunk memory: one latent per chunk of c tokens, the writer's vector (the
-    LM's width) as it is, read by the receiver as one memory vector (K = 1). It reads layer 0, the
-    context's input embeddings: no sender forward."""
+class ChunkVAE(BetaVAE):
+    """The beta-VAE per chunk: the writer's vector (the LM's width) -> ``latent_dim`` floats on the
+    wire -> the vector the receiver reads. Its decoder is on the answer's path here (the receiver
+    reads the decoding), so an answer loss trains it; only the logvar head is left out."""
 
-    def __init__(self, writer: ChunkWriter, **receiver):
+    def freeze_unreached(self, kl_in_loss: bool) -> None:
+        self.logvar_head.requires_grad_(kl_in_loss)
+
+
+def decode_vectors(vae: BetaVAE, z: Tensor) -> Tensor:
+    """Latents (N, Z) -> vectors in the writer's space (N, H): the decoding, standardisation undone."""
+    return vae.decode(z.float()) * vae.input_std + vae.input_mean
+
+
+class DecodedVector(nn.Module):
+    """Stands where the projector stands when a chunk's latent crosses the wire: z (B, Z) -> the
+    VAE's decoding (B, 1, H). The VAE is the encoder's own (its weights are the compressor's, so
+    they are held here without being registered twice)."""
+
+    num_memory_tokens = 1
+    hidden = 1
+
+    def __init__(self, vae: BetaVAE):
+        super().__init__()
+        self._vae = (vae,)
+        self.latent_dim, self.model_hidden = vae.latent_dim, vae.input_dim
+
+    def forward(self, z: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        if z.dim() != 2 or z.shape[1] != self.latent_dim:
+            raise ValueError(f"z must be (batch, {self.latent_dim}), got shape {tuple(z.shape)}")
+        memory = decode_vectors(self._vae[0], z).unsqueeze(1)
+        return memory if dtype is None else memory.to(dtype)
+
+
+class ChunkEncoder(ILCPEncoder):
+    """The encoder of a chunk memory: one latent per chunk of c tokens, read by the receiver as one
+    memory vector (K = 1): the writer's vector (the LM's width) as it is, or with `vae` its latent
+    on the wire and its decoding read. It reads layer 0, the context's input embeddings: no sender
+    forward."""
+
+    def __init__(self, writer: ChunkWriter, vae: ChunkVAE | None = None, **receiver):
         h = writer.hidden_size
-        super().__init__(PassThroughLatent(h), IdentityProjector(h), ChunkPooler(writer),
-                         chunk_tokens=writer.chunk_tokens, **receiver)
+        if vae is not None and vae.input_dim != h:
+            raise ValueError(f"the chunk VAE reads vectors of {vae.input_dim} floats, the writer writes {h}")
+        latent, projector = (PassThroughLatent(h), IdentityProjector(h)) if vae is None else (vae, DecodedVector(vae))
+        super().__init__(latent, projector, ChunkPooler(writer), chunk_tokens=writer.chunk_tokens, **receiver)
 
     @property
     def writer(self) -> ChunkWriter:

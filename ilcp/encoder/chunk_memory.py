@@ -6,6 +6,9 @@ by one shared `ilcp.encoder.chunk.ChunkWriter` from the chunk's input embeddings
 The writer is pretrained on text alone by `ilcp.training.chunk_pretrain`; a run starts from such a
 pretraining with ``compressor.memory.writer_from=FOLDER`` and trains tuned vectors before the
 prompt (``handoff.format_vectors``) and, with ``handoff.finetune_encoder``, the writer itself.
+With ``latent`` > 0 a beta-VAE per chunk (fitted over that writer by `ilcp.training.chunk_latent`,
+``latent_from``) narrows each vector to ``latent`` floats on the wire; the receiver reads its
+decoding.
 
 Standard library only at import time (a config naming the kind is checked before torch loads).
 """
@@ -20,7 +23,7 @@ from ..settings import setting
 from .kinds import MAX_COUNT, MemoryKind
 
 if TYPE_CHECKING:
-    from .chunk import ChunkEncoder, ChunkPooler
+    from .chunk import ChunkEncoder, ChunkPooler, ChunkVAE
 
 __all__ = ["ChunkMemory"]
 
@@ -39,6 +42,11 @@ class ChunkMemory(MemoryKind):
     inner: int = setting(1024, "the writer MLP's hidden width", minimum=1, maximum=MAX_COUNT)
     direct: bool = setting(False, "add to the writer a path linear in the token embeddings (one matrix per place in "
                                   "the chunk, shared by the whole vocabulary)", omit_default=True)
+    latent: int = setting(0, "floats a chunk crosses the wire as, through a beta-VAE per chunk (0 = the writer's "
+                             "vector, the LM's width)", minimum=0, maximum=MAX_COUNT, omit_default=True)
+    latent_from: str = setting("", "with latent > 0: the --out folder of python -m ilcp.training.chunk_latent, a "
+                                   "beta-VAE fitted over the vectors of writer_from's writer",
+                               exported=False, compare=False)
     writer_from: str = setting("", "a shipped chunk writer (pretrained/smollm2-chunk8) or a chunk pretraining folder "
                                    "(python -m ilcp.training.chunk_pretrain --out DIR) whose writer the run starts "
                                    "from ('' = an untrained writer)",
@@ -47,6 +55,10 @@ class ChunkMemory(MemoryKind):
     # ------------------------------------------------------------------ what training asks
 
     def check_run(self, cfg) -> None:
+        if bool(self.latent) != bool(self.latent_from):
+            raise ValueError("compressor.memory.latent > 0 starts from a fitted beta-VAE: set both "
+                             "compressor.memory.latent and compressor.memory.latent_from (the --out folder of "
+                             "python -m ilcp.training.chunk_latent over writer_from's writer), or neither")
         if list(cfg.data.pool_layers) != [0]:
             raise ValueError("compressor.memory.kind=chunk writes from the context's input embeddings: set "
                              f"data.pool_layers=[0] (got {list(cfg.data.pool_layers)})")
@@ -62,13 +74,44 @@ class ChunkMemory(MemoryKind):
         there is no stage 1: nothing is fitted on cached states."""
         from ..training.log import say
 
-        encoder = self.encoder(None, None, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
+        vae = self.load_latent(Path(self.latent_from), lm.hidden_size) if self.latent else None
+        encoder = self.encoder(vae, None, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
         if self.writer_from:
             self.load_writer(encoder, Path(self.writer_from), lm.fingerprint)
-            say(f"stage 1 (compressor): chunk memory, the writer from {self.writer_from}")
+            say(f"stage 1 (compressor): chunk memory, the writer from {self.writer_from}"
+                + (f", a {self.latent}-float latent a chunk from {self.latent_from}" if self.latent else ""))
         else:
             say(f"stage 1 (compressor): chunk memory, an untrained writer (one vector per {self.chunk_tokens} tokens)")
         return encoder
+
+    def load_latent(self, folder: Path, hidden_size: int) -> ChunkVAE:
+        """The beta-VAE of a chunk latent run (`ilcp.training.chunk_latent`'s ``state/``), which must
+        narrow to ``latent`` floats the vectors of this run's writer (``writer_from``)."""
+        import json
+
+        from safetensors.torch import load_file
+
+        from .chunk import ChunkVAE
+
+        state = folder / "state" / "state.json"
+        where = "compressor.memory.latent_from"
+        try:
+            meta = json.loads(state.read_text())
+            vae, fitted_on = meta["vae"], meta["writer_from"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ValueError(f"{where}: {folder} holds no chunk latent run (no readable state/state.json); give the "
+                             "--out folder of python -m ilcp.training.chunk_latent") from None
+        if vae.get("latent_dim") != self.latent or vae.get("input_dim") != hidden_size:
+            raise ValueError(f"{where}: {folder} narrows vectors of {vae.get('input_dim')} floats to "
+                             f"{vae.get('latent_dim')}; this run sets compressor.memory.latent={self.latent} for an LM "
+                             f"of width {hidden_size}")
+        if not self.writer_from or Path(fitted_on).resolve() != Path(self.writer_from).resolve():
+            raise ValueError(f"{where}: {folder} was fitted over the writer of {fitted_on}; this run's writer is "
+                             f"{self.writer_from or 'untrained'} (compressor.memory.writer_from): fit the VAE over "
+                             "that writer")
+        module = ChunkVAE(hidden_size, self.latent, int(vae["hidden_dim"]), float(vae["beta"]))
+        module.load_state_dict(load_file(str(folder / "state" / "vae.safetensors")))
+        return module
 
     def load_writer(self, encoder: ChunkEncoder, folder: Path, fingerprint: str | None = None) -> None:
         """The writer weights of a shipped writer or a chunk pretraining folder, whose settings must
@@ -81,18 +124,24 @@ class ChunkMemory(MemoryKind):
         return "chunk memory"
 
     def card_unit(self) -> str:
+        if self.latent:
+            return (f"one latent per {self.chunk_tokens} context tokens: one shared MLP writes a vector of the LM's "
+                    f"width, a beta-VAE per chunk narrows it to {self.latent} floats on the wire, the receiver reads "
+                    "its decoding")
         return f"one vector of the LM's width per {self.chunk_tokens} context tokens, written by one shared MLP"
 
     # ------------------------------------------------------------------ the modules
 
     @classmethod
     def from_encoder(cls, encoder) -> ChunkMemory | None:
-        from .chunk import ChunkEncoder
+        from .chunk import ChunkEncoder, ChunkVAE
 
         if not isinstance(encoder, ChunkEncoder):
             return None
         w = encoder.writer
-        return cls(chunk_tokens=w.chunk_tokens, width=w.width, inner=w.inner, direct=w.direct is not None)
+        latent = encoder.vae.latent_dim if isinstance(encoder.vae, ChunkVAE) else 0
+        return cls(chunk_tokens=w.chunk_tokens, width=w.width, inner=w.inner, direct=w.direct is not None,
+                   latent=latent)
 
     def pooler(self, state_dim: int, hidden_size: int | None = None) -> ChunkPooler:
         from .chunk import ChunkPooler, ChunkWriter
@@ -101,10 +150,15 @@ class ChunkMemory(MemoryKind):
                                        direct=self.direct))
 
     def encoder(self, vae, projector, pooler, **receiver) -> ChunkEncoder:
-        """The chunk encoder around the pooler's writer; the VAE and projector an export's spec
-        builds are not used (the vector crosses as it is, read as one memory vector)."""
-        from .chunk import ChunkEncoder
+        """The chunk encoder around the pooler's writer. The projector an export's spec builds is not
+        used (each latent is read as one memory vector); nor is its VAE without ``latent`` (the vector
+        crosses as it is). With ``latent`` the VAE of the spec's sizes is the chunk VAE."""
+        from .chunk import ChunkEncoder, ChunkVAE
 
-        encoder = ChunkEncoder(pooler.writer, **receiver)
+        if self.latent and not isinstance(vae, ChunkVAE):
+            if vae is None or vae.latent_dim != self.latent:
+                raise ValueError(f"chunk memory with latent={self.latent}: needs a VAE of that latent width")
+            vae = ChunkVAE(vae.input_dim, vae.latent_dim, vae.hidden_dim, vae.beta)
+        encoder = ChunkEncoder(pooler.writer, vae if self.latent else None, **receiver)
         encoder.memory_kind = self
         return encoder

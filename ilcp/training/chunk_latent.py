@@ -2,7 +2,7 @@
 reads them back worse.
 
 The writer (a shipped writer or a pretraining folder, frozen) writes one vector of the LM's width
-per chunk; a `BetaVAE` (the same module the slot memory compresses with) encodes each vector into
+per chunk; a `ChunkVAE` (the package's `BetaVAE`, the module the slot memory compresses with) encodes each vector into
 ``latent`` floats, which are what would cross the wire, and decodes them back to a vector the
 receiver reads where it read the writer's. Two losses, in turn:
 
@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from ..encoder.chunk import ChunkWriter
-from ..encoder.compressor import BetaVAE, kl_divergence
+from ..encoder.chunk import ChunkVAE, ChunkWriter, decode_vectors
+from ..encoder.compressor import kl_divergence
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, chunk_corpus, cut, even_sample,
@@ -77,7 +77,7 @@ class LatentWriter(nn.Module):
     """A frozen writer followed by a beta-VAE: chunks -> the decoded vectors the receiver reads
     (``forward``, as `ChunkWriter`'s), or the latents that cross the wire (`latent`)."""
 
-    def __init__(self, writer: ChunkWriter, vae: BetaVAE):
+    def __init__(self, writer: ChunkWriter, vae: ChunkVAE):
         super().__init__()
         self.writer, self.vae = writer.requires_grad_(False), vae
         self.chunk_tokens = writer.chunk_tokens
@@ -91,7 +91,7 @@ class LatentWriter(nn.Module):
 
     def decode(self, z: Tensor) -> Tensor:
         """Latents (N, Z) -> vectors in the receiver's space (N, H)."""
-        return self.vae.decode(z) * self.vae.input_std + self.vae.input_mean
+        return decode_vectors(self.vae, z)
 
     def forward(self, embeds: Tensor, lengths: Tensor | None = None) -> Tensor:
         mu, logvar = self.vae.encode(self.vectors(embeds, lengths))
@@ -150,7 +150,7 @@ def train_latent(out: Path, lm: LM, writer_from: Path, cfg: ChunkLatentConfig, *
     torch.manual_seed(cfg.seed)
     writer = load_writer(writer_from, lm)
     c = writer.chunk_tokens
-    model = LatentWriter(writer, BetaVAE(lm.hidden_size, cfg.latent, cfg.hidden, beta=cfg.beta).to(lm.device))
+    model = LatentWriter(writer, ChunkVAE(lm.hidden_size, cfg.latent, cfg.hidden, beta=cfg.beta).to(lm.device))
     opt = torch.optim.AdamW(model.vae.parameters(), lr=cfg.lr, weight_decay=0.0)
     reader = ChunkReader(lm)
     tok = lm.tokenizer

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cache
 from ..encoder.chunk import ChunkWriter
+from ..encoder.chunk_sender import SenderChunkWriter
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from ..receiver.prompts import continuation_prompt, reconstruction_prompt
@@ -73,10 +74,13 @@ class ChunkPretrainConfig:
     reading_vectors: int = 0  # R tuned vectors the receiver reads before every text's chunk vectors (`ChunkWriter`)
     continuation_tokens: int = 0  # M: the vectors also go on with the M tokens after the window (0: said back only)
     continuation_weight: float = 1.0  # the continuation loss's weight beside the read-back's
+    sender_layers: int = 0  # > 0: the LM itself writes (`SenderChunkWriter`), adapters on its top layers
+    sender_rank: int = 8  # those adapters' rank
 
     def __post_init__(self):
         least = {"chunk_tokens": 1, "batch_chunks": 1, "steps": 0, "eval_every": 1, "heldout_chunks": 1, "width": 1,
-                 "inner": 1, "window_chunks": 1, "reading_vectors": 0, "continuation_tokens": 0, "warmup_steps": 0}
+                 "inner": 1, "window_chunks": 1, "reading_vectors": 0, "continuation_tokens": 0, "warmup_steps": 0, "sender_layers": 0,
+                 "sender_rank": 1}
         for name, low in least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -84,6 +88,9 @@ class ChunkPretrainConfig:
         for name in ("lr", "continuation_weight", "weight_decay"):
             if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) >= 0:
                 raise ValueError(f"chunk pretraining: {name} must be a number >= 0, got {getattr(self, name)!r}")
+        if self.sender_layers and self.direct:
+            raise ValueError("chunk pretraining: direct is a setting of the embedding writer; the LM writer "
+                             "(sender_layers > 0) has no such path")
 
     @property
     def window_tokens(self) -> int:
@@ -255,6 +262,19 @@ class ChunkReader:
 # ------------------------------------------------------------------------------------- training
 
 
+def make_writer(cfg: ChunkPretrainConfig, lm: LM) -> ChunkWriter | SenderChunkWriter:
+    """The run's writer: the embedding MLP (`ChunkWriter`), or with ``sender_layers`` the LM itself
+    with adapters on its top layers (`SenderChunkWriter`), its memory token the end-of-text token."""
+    if not cfg.sender_layers:
+        return ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner, direct=cfg.direct,
+                           reading=cfg.reading_vectors).to(lm.device)
+    tok = lm.tokenizer
+    token = next((t for t in (tok.eos_token_id, tok.pad_token_id, 0) if t is not None), 0)
+    table = lm.model.get_input_embeddings().weight
+    return SenderChunkWriter(lm.model, cfg.chunk_tokens, table[token], layers=cfg.sender_layers,
+                             rank=cfg.sender_rank, reading=cfg.reading_vectors).to(lm.device)
+
+
 def write(writer: ChunkWriter, reader: ChunkReader, windows: Tensor) -> Tensor:
     """Windows of N x c tokens (B, N * c) -> their chunks' vectors (B, N, H), all chunks in one call,
     after the writer's R reading vectors if it has them: (B, R + N, H)."""
@@ -318,8 +338,15 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
         raise FileExistsError(f"{out} holds a chunk pretraining; pass --resume to go on with it or pick another --out")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    writer = ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner,
-                         direct=cfg.direct, reading=cfg.reading_vectors).to(lm.device)
+    writer = make_writer(cfg, lm)
+    try:
+        return _train(out, lm, cfg, writer, resume, log)
+    finally:
+        if isinstance(writer, SenderChunkWriter):
+            writer.close()  # the LM is the receiver again, with no hooks of this run
+
+
+def _train(out: Path, lm: LM, cfg: ChunkPretrainConfig, writer, resume: bool, log) -> list[dict]:
     opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():

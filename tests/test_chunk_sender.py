@@ -1,0 +1,116 @@
+"""The LM as chunk writer (`SenderChunkWriter`): adapters act only while it writes, a vector
+depends on its chunk alone, the receiver's loss trains the adapters and head only, and a
+pretraining run with it resumes on the same curve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ilcp.encoder.chunk_sender import SenderChunkWriter
+from ilcp.lm import lm_fingerprint, load_lm
+from ilcp.training.chunk_pretrain import ChunkPretrainConfig, ChunkReader, pretrain, write
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_lm("tiny-qwen3")
+
+
+def _writer(tiny, **kw) -> SenderChunkWriter:
+    table = tiny.model.get_input_embeddings().weight
+    return SenderChunkWriter(tiny.model, 4, table[1], **{"layers": 1, "rank": 4, **kw})
+
+
+def test_an_untrained_writer_hands_over_the_first_token_and_leaves_the_lm_as_it_was(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    before = lm_fingerprint(tiny.model, tiny.tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        plain = tiny.model(input_ids=ids).logits
+    writer = _writer(tiny)
+    try:
+        chunks = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+        with torch.no_grad():
+            torch.testing.assert_close(writer(table[chunks]), table[chunks[:, 0]].float())
+            for adapter in writer.adapters.values():  # adapters that have learned something
+                adapter.b.normal_(std=0.5)
+            torch.testing.assert_close(tiny.model(input_ids=ids).logits, plain)  # not while the receiver reads
+        assert lm_fingerprint(tiny.model, tiny.tokenizer) == before
+        assert not any(k.startswith("model") for k in writer.state_dict())  # the LM is not the writer's weight
+        assert len(writer.adapters) == 7  # q, k, v, o, gate, up, down of the top layer
+    finally:
+        writer.close()
+    with pytest.raises(ValueError, match="closed"):
+        writer(table[chunks])
+
+
+def test_a_chunk_vector_depends_on_its_chunk_alone_and_not_on_padding(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    torch.manual_seed(0)
+    writer = _writer(tiny)
+    try:
+        torch.nn.init.normal_(writer.head.weight, std=0.1)
+        for adapter in writer.adapters.values():
+            adapter.b.data.normal_(std=0.5)
+        chunk = torch.tensor([[11, 12, 13, 14]])
+        others = torch.tensor([[21, 22, 23, 24], [31, 32, 33, 34]])
+        with torch.no_grad():
+            alone = writer(table[chunk])
+            batched = writer(table[torch.cat([others, chunk])])[-1:]
+            short = writer(table[torch.tensor([[11, 12, 0, 0], [11, 12, 9, 9]])], torch.tensor([2, 2]))
+            whole = writer(table[torch.tensor([[11, 12, 9, 9]])])
+        torch.testing.assert_close(alone, batched, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(short[0], short[1], atol=1e-5, rtol=1e-4)  # padding is not read
+        assert not torch.allclose(short[1], whole[0])  # the real tokens are
+    finally:
+        writer.close()
+
+
+def test_the_receivers_loss_trains_the_adapters_and_head_alone(tiny):
+    reader = ChunkReader(tiny)
+    torch.manual_seed(0)
+    writer = _writer(tiny, layers=2)
+    try:
+        opt = torch.optim.AdamW(writer.parameters(), lr=1e-2)
+        texts = torch.randint(5, 200, (8, 4))
+        losses = []
+        for step in range(25):
+            loss = reader.score(write(writer, reader, texts), texts)["loss"]
+            opt.zero_grad()
+            loss.backward()
+            if step == 2:
+                assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in writer.parameters())
+            opt.step()
+            losses.append(float(loss.detach()))
+        assert all(p.grad is None for p in tiny.model.parameters())
+        assert losses[-1] < losses[0] - 0.02
+    finally:
+        writer.close()
+
+
+def test_bad_sender_settings_are_refused(tiny):
+    table = tiny.model.get_input_embeddings().weight
+    with pytest.raises(ValueError, match="the LM has 2 decoder layers"):
+        SenderChunkWriter(tiny.model, 4, table[1], layers=3)
+    with pytest.raises(ValueError, match="memory_embedding"):
+        SenderChunkWriter(tiny.model, 4, table[1, :3], layers=1)
+    with pytest.raises(ValueError, match="no such path"):
+        ChunkPretrainConfig(sender_layers=2, direct=True)
+    with pytest.raises(ValueError, match="sender_rank"):
+        ChunkPretrainConfig(sender_layers=2, sender_rank=0)
+
+
+def test_a_sender_pretraining_resumes_on_the_same_curve_and_leaves_no_hooks(tiny, tmp_path):
+    cfg = dict(chunk_tokens=4, batch_chunks=8, lr=3e-3, warmup_steps=2, eval_every=3, heldout_chunks=8,
+               babi_stories=20, sender_layers=1, sender_rank=4)
+    quiet = lambda _m: None  # noqa: E731
+    whole = pretrain(tmp_path / "whole", tiny, ChunkPretrainConfig(steps=6, **cfg), log=quiet)
+    pretrain(tmp_path / "split", tiny, ChunkPretrainConfig(steps=3, **cfg), log=quiet)
+    resumed = pretrain(tmp_path / "split", tiny, ChunkPretrainConfig(steps=6, **cfg), resume=True, log=quiet)
+    assert [r["step"] for r in resumed] == [0, 3, 6]
+    for a, b in zip(whole, resumed):
+        assert a["squad"] == b["squad"] and a["train_loss"] == b["train_loss"]
+    assert whole[-1]["squad"]["loss"] != whole[0]["squad"]["loss"]
+    hooks = [m for m in tiny.model.modules() if m._forward_hooks]
+    assert not hooks
