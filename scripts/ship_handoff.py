@@ -67,6 +67,7 @@ def merge_baselines(results: dict, baselines: dict, source: str) -> dict:
     if (baselines.get("run") or {}).get("fingerprint") != (results.get("run") or {}).get("fingerprint"):
         raise ValueError(f"--baselines {source} evaluated another LM (fingerprint)")
     merged = json.loads(json.dumps(results))
+    taken = set()
     for name, task in merged["tasks"].items():
         other = baselines["tasks"].get(name)
         if other is None or other.get("n") != task.get("n") or other.get("split", "test") != task.get("split", "test"):
@@ -76,7 +77,9 @@ def merge_baselines(results: dict, baselines: dict, source: str) -> dict:
         for method in BASELINES:
             if method not in methods and method in (other.get("methods") or {}):
                 methods[method] = other["methods"][method]
+                taken.add(method)
     merged["baselines_from"] = source
+    merged["baselines_taken"] = [m for m in BASELINES if m in taken]
     return merged
 
 
@@ -103,8 +106,8 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         f"- Sender: {'the shipped writer `' + writer + '` (its card gives its pretraining)' if writer else 'trained in the run'}"
         f"{', kept as shipped' if not h.get('finetune_encoder') else ', fine-tuned on the answers'}.",
         f"- Answers: `{d['task']}`, {d['train_size']} rows, held out of every stage: "
-        f"{', '.join(d.get('heldout_tasks') or []) or 'none'}; {h['max_steps']} steps of batch {h['batch_size']} per "
-        f"variant ({', '.join(h['variants'])}), ilcp distilled from `{h.get('distill_teacher')}` "
+        f"{', '.join(d.get('heldout_tasks') or []) or 'none'}; {_steps(h)} "
+        f"({', '.join(h['variants'])}), ilcp distilled from `{h.get('distill_teacher')}` "
         f"(weight {h.get('distill_weight')}) plus the gold answers' cross-entropy.",
         f"- Budget: {seconds / 60:.1f} minutes in all (compute precision {metrics.get('precision')}).",
         "- Files: config.json (its own digest, the weights' sha256), "
@@ -113,11 +116,25 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         f"{_commands(prov.get('command'))} on {prov.get('date')}, {prov.get('machine')}: the first "
         f"{max(t.get('n', 0) for t in results['tasks'].values())} "
         "test questions per task; score: exact match, on SQuAD F1, % with 95% intervals. cold_read_tuned reads the "
-        "context text behind " + (f"the tuned vectors this run reads too; it and prompt_tuned are from "
-                                  f"`{results['baselines_from']}`, the same questions" if results.get("baselines_from")
-                                  else "this run's tuned vectors")
+        "context text behind the tuned vectors this run reads too" + _taken(results)
         + "; prompt_tuned reads the question alone: the floor a handoff must beat.", "",
         *results_table(results), "", summary(results), ""])
+
+
+def _steps(h: dict) -> str:
+    """The answer stage's budget: one per variant, or cold_read_tuned's own beside it."""
+    own = h.get("cold_read_tuned_steps") or 0
+    budget = f"{h['max_steps']} steps of batch {h['batch_size']} per variant"
+    return f"{budget}, cold_read_tuned {own}" if own and "cold_read_tuned" in h["variants"] else budget
+
+
+def _taken(results: dict) -> str:
+    """Which baseline rows another evaluation of the same questions gave (`merge_baselines`)."""
+    if not results.get("baselines_from"):
+        return ""
+    taken = results.get("baselines_taken") or list(BASELINES)  # a merge recorded before the list was kept
+    verb = "is" if len(taken) == 1 else "are"
+    return f"; {' and '.join(taken)} {verb} from `{results['baselines_from']}`, the same questions"
 
 
 def _commands(command) -> str:

@@ -72,8 +72,15 @@ def test_baselines_from_another_evaluation_of_the_same_questions_fill_the_card(e
     out = ship_handoff.ship(run, tmp_path / "handoff", alone, baselines_file=results)
     card = (out / "README.md").read_text()
     text = full["tasks"]["babi:1"]["methods"]["cold_read_tuned"]["exact_match"]
-    assert f"it and prompt_tuned are from `{results}`, the same questions" in card
+    assert f"cold_read_tuned and prompt_tuned are from `{results}`, the same questions" in card
     assert f"| {100 * text:.1f} [" in card.split("| babi:1 |")[1].split("\n")[0]
+    with_text = json.loads(json.dumps(full))  # a run that evaluated its own text baseline takes the other row only
+    for task in with_text["tasks"].values():
+        del task["methods"]["prompt_tuned"]
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps(with_text))
+    card = (ship_handoff.ship(run, tmp_path / "handoff2", own, baselines_file=results) / "README.md").read_text()
+    assert f"; prompt_tuned is from `{results}`, the same questions" in card
     fewer = json.loads(results.read_text())
     fewer["tasks"]["babi:1"]["n"] = 3
     other = tmp_path / "other.json"
