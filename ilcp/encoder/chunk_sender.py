@@ -23,6 +23,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .chunk import ChunkWriter
+
 __all__ = ["SenderChunkWriter"]
 
 
@@ -114,11 +116,7 @@ class SenderChunkWriter(nn.Module):
             out["reading"] = int(self.reading.shape[0])
         return out
 
-    def with_reading(self, vectors: Tensor) -> Tensor:
-        """A text's chunk vectors (B, N, H) -> (B, R + N, H): the reading vectors first (none: as given)."""
-        if self.reading is None:
-            return vectors
-        return torch.cat([self.reading.to(vectors.dtype).expand(vectors.shape[0], -1, -1), vectors], dim=1)
+    with_reading = ChunkWriter.with_reading  # the reading vectors first, as the embedding writer's
 
     def forward(self, embeds: Tensor, lengths: Tensor | None = None) -> Tensor:
         """``embeds`` (N, c, H): the chunks' token embeddings; ``lengths`` (N,): each chunk's real
