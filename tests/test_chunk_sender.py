@@ -114,3 +114,18 @@ def test_a_sender_pretraining_resumes_on_the_same_curve_and_leaves_no_hooks(tiny
     assert whole[-1]["squad"]["loss"] != whole[0]["squad"]["loss"]
     hooks = [m for m in tiny.model.modules() if m._forward_hooks]
     assert not hooks
+
+
+def test_shipping_or_narrowing_a_sender_writer_is_refused_in_one_line(tiny, tmp_path):
+    from ilcp.training.chunk_latent import load_writer
+    from ilcp.training.chunk_ship import ship
+
+    state = tmp_path / "run" / "state"
+    state.mkdir(parents=True)
+    (state / "state.json").write_text('{"step": 1, "seconds": 1.0, "config": {}, "writer": {"kind": "sender", '
+                                      '"hidden_size": 64, "chunk_tokens": 4}}')
+    with pytest.raises(ValueError, match="only the embedding writer ships"):
+        ship(tmp_path / "run", tmp_path / "out", tiny, log=lambda _m: None)
+    with pytest.raises(ValueError, match="a VAE is fitted over an embedding writer only"):
+        load_writer(tmp_path / "run", tiny)
+    assert not (tmp_path / "out").exists()

@@ -113,6 +113,9 @@ def load_writer(folder: Path, lm: LM) -> ChunkWriter:
         settings = json.loads((folder / "state" / "state.json").read_text()).get("writer") or {}
     else:
         raise ValueError(f"--writer {folder}: neither a shipped chunk writer nor a chunk pretraining folder")
+    if settings.get("kind") == "sender":
+        raise ValueError(f"--writer {folder} trained the LM itself as its writer (--sender-layers): a VAE is fitted "
+                         "over an embedding writer only so far")
     if settings.get("hidden_size") != lm.hidden_size:
         raise ValueError(f"--writer {folder} writes vectors of {settings.get('hidden_size')} floats; "
                          f"the LM's width is {lm.hidden_size}")

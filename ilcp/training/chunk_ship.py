@@ -146,6 +146,9 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
                          "python -m ilcp.training.chunk_pretrain")
     meta = json.loads(state.read_text())
     settings = meta["writer"]
+    if settings.get("kind") == "sender":
+        raise ValueError(f"{run} trained the LM itself as its writer (--sender-layers): only the embedding writer "
+                         "ships as a chunk writer so far")
     cfg = ChunkPretrainConfig(**meta["config"])
     stages = earlier_stages(meta)
     weights = read_writer_state(run, settings)
