@@ -29,64 +29,58 @@ def test_an_untrained_writer_hands_over_the_first_token_and_leaves_the_lm_as_it_
     with torch.no_grad():
         plain = tiny.model(input_ids=ids).logits
     writer = _writer(tiny)
-    try:
-        chunks = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
-        with torch.no_grad():
-            torch.testing.assert_close(writer(table[chunks]), table[chunks[:, 0]].float())
-            for adapter in writer.adapters.values():  # adapters that have learned something
-                adapter.b.normal_(std=0.5)
-            torch.testing.assert_close(tiny.model(input_ids=ids).logits, plain)  # not while the receiver reads
-        assert lm_fingerprint(tiny.model, tiny.tokenizer) == before
-        assert not any(k.startswith("model") for k in writer.state_dict())  # the LM is not the writer's weight
-        assert len(writer.adapters) == 7  # q, k, v, o, gate, up, down of the top layer
-    finally:
-        writer.close()
-    with pytest.raises(ValueError, match="closed"):
-        writer(table[chunks])
+    chunks = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(writer(table[chunks]), table[chunks[:, 0]].float())
+        writer.head.weight.normal_(std=0.1)
+        plain_writer = writer(table[chunks])
+        for adapter in writer.adapters.values():  # adapters that have learned something
+            adapter.b.normal_(std=0.5)
+        adapted_writer = writer(table[chunks])
+        torch.testing.assert_close(tiny.model(input_ids=ids).logits, plain)  # not while the receiver reads
+    assert not torch.allclose(adapted_writer, plain_writer)  # while the writer runs, they act
+    assert lm_fingerprint(tiny.model, tiny.tokenizer) == before
+    assert not any(k.startswith("model") for k in writer.state_dict())  # the LM is not the writer's weight
+    assert len(writer.adapters) == 7  # q, k, v, o, gate, up, down of the top layer
+    assert not [m for m in tiny.model.modules() if m._forward_hooks]  # hooks only while the writer runs
 
 
 def test_a_chunk_vector_depends_on_its_chunk_alone_and_not_on_padding(tiny):
     table = tiny.model.get_input_embeddings().weight
     torch.manual_seed(0)
     writer = _writer(tiny)
-    try:
-        torch.nn.init.normal_(writer.head.weight, std=0.1)
-        for adapter in writer.adapters.values():
-            adapter.b.data.normal_(std=0.5)
-        chunk = torch.tensor([[11, 12, 13, 14]])
-        others = torch.tensor([[21, 22, 23, 24], [31, 32, 33, 34]])
-        with torch.no_grad():
-            alone = writer(table[chunk])
-            batched = writer(table[torch.cat([others, chunk])])[-1:]
-            short = writer(table[torch.tensor([[11, 12, 0, 0], [11, 12, 9, 9]])], torch.tensor([2, 2]))
-            whole = writer(table[torch.tensor([[11, 12, 9, 9]])])
-        torch.testing.assert_close(alone, batched, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(short[0], short[1], atol=1e-5, rtol=1e-4)  # padding is not read
-        assert not torch.allclose(short[1], whole[0])  # the real tokens are
-    finally:
-        writer.close()
+    torch.nn.init.normal_(writer.head.weight, std=0.1)
+    for adapter in writer.adapters.values():
+        adapter.b.data.normal_(std=0.5)
+    chunk = torch.tensor([[11, 12, 13, 14]])
+    others = torch.tensor([[21, 22, 23, 24], [31, 32, 33, 34]])
+    with torch.no_grad():
+        alone = writer(table[chunk])
+        batched = writer(table[torch.cat([others, chunk])])[-1:]
+        short = writer(table[torch.tensor([[11, 12, 0, 0], [11, 12, 9, 9]])], torch.tensor([2, 2]))
+        whole = writer(table[torch.tensor([[11, 12, 9, 9]])])
+    torch.testing.assert_close(alone, batched, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(short[0], short[1], atol=1e-5, rtol=1e-4)  # padding is not read
+    assert not torch.allclose(short[1], whole[0])  # the real tokens are
 
 
 def test_the_receivers_loss_trains_the_adapters_and_head_alone(tiny):
     reader = ChunkReader(tiny)
     torch.manual_seed(0)
     writer = _writer(tiny, layers=2)
-    try:
-        opt = torch.optim.AdamW(writer.parameters(), lr=1e-2)
-        texts = torch.randint(5, 200, (8, 4))
-        losses = []
-        for step in range(25):
-            loss = reader.score(write(writer, reader, texts), texts)["loss"]
-            opt.zero_grad()
-            loss.backward()
-            if step == 2:
-                assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in writer.parameters())
-            opt.step()
-            losses.append(float(loss.detach()))
-        assert all(p.grad is None for p in tiny.model.parameters())
-        assert losses[-1] < losses[0] - 0.02
-    finally:
-        writer.close()
+    opt = torch.optim.AdamW(writer.parameters(), lr=1e-2)
+    texts = torch.randint(5, 200, (8, 4))
+    losses = []
+    for step in range(25):
+        loss = reader.score(write(writer, reader, texts), texts)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        if step == 2:
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in writer.parameters())
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(p.grad is None for p in tiny.model.parameters())
+    assert losses[-1] < losses[0] - 0.02
 
 
 def test_bad_sender_settings_are_refused(tiny):

@@ -92,28 +92,10 @@ class SlotTokens(nn.Module):
         """Slots of contexts of these token counts (see `slot_counts`)."""
         return slot_counts(lengths, self.tokens_per_slot, self.min_slots, self.max_slots)
 
-    @contextlib.contextmanager
     def adapting(self, model: nn.Module):
         """While inside, the adapted linear layers of `model` add their low-rank updates (forward
         hooks, removed on exit: the LM itself is never changed)."""
-        if not self.adapter_modules:
-            yield
-            return
-        modules = dict(model.named_modules())
-        missing = [name for name, _, _ in self.adapter_modules if name not in modules]
-        if missing:
-            raise ValueError(f"the slot adapters name LM modules this LM lacks: {missing[:3]}")
-        hooks = []
-        try:
-            for name, n_in, n_out in self.adapter_modules:
-                module, adapter = modules[name], self.adapters[_key(name)]
-                if getattr(module, "in_features", n_in) != n_in or getattr(module, "out_features", n_out) != n_out:
-                    raise ValueError(f"the slot adapter of {name} is {n_in} -> {n_out}; this LM's module is not")
-                hooks.append(module.register_forward_hook(_adding(adapter)))
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
+        return adapters_acting(model, self.adapter_modules, self.adapters, "slot")
 
     @torch.no_grad()
     def init_from_embeddings(self, table: Tensor, seed: int = 0) -> None:
@@ -139,6 +121,33 @@ class LowRank(nn.Module):
 
 def _key(name: str) -> str:
     return name.replace(".", "__")  # a module name as a ModuleDict key
+
+
+@contextlib.contextmanager
+def adapters_acting(model: nn.Module, modules: Sequence[tuple[str, int, int]], adapters: nn.ModuleDict,
+                    owner: str, key=_key):
+    """While inside, each linear layer of `model` named in `modules` ((name, in, out)) adds the
+    low-rank update ``adapters[key(name)]`` to its output (forward hooks, removed on exit, even on
+    an error: the LM itself never changes). ValueError naming `owner` when this LM lacks a module
+    or its sizes differ."""
+    if not modules:
+        yield
+        return
+    found = dict(model.named_modules())
+    missing = [name for name, _, _ in modules if name not in found]
+    if missing:
+        raise ValueError(f"the {owner} adapters name LM modules this LM lacks: {missing[:3]}")
+    hooks = []
+    try:
+        for name, n_in, n_out in modules:
+            module, adapter = found[name], adapters[key(name)]
+            if getattr(module, "in_features", n_in) != n_in or getattr(module, "out_features", n_out) != n_out:
+                raise ValueError(f"the {owner} adapter of {name} is {n_in} -> {n_out}; this LM's module is not")
+            hooks.append(module.register_forward_hook(_adding(adapter)))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _adding(adapter: LowRank):

@@ -339,14 +339,6 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     writer = make_writer(cfg, lm)
-    try:
-        return _train(out, lm, cfg, writer, resume, log)
-    finally:
-        if isinstance(writer, SenderChunkWriter):
-            writer.close()  # the LM is the receiver again, with no hooks of this run
-
-
-def _train(out: Path, lm: LM, cfg: ChunkPretrainConfig, writer, resume: bool, log) -> list[dict]:
     opt = torch.optim.AdamW(writer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():
