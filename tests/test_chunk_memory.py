@@ -187,8 +187,10 @@ def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
     torch.testing.assert_close(memory[0], alone)
 
 
-@pytest.mark.parametrize("config", ["configs/chunk/pretrain.yaml", "configs/chunk/pretrain-gpu.yaml"])
-def test_the_shipped_recipes_run_at_tiny_size(config, tmp_path, capsys):
+@pytest.mark.parametrize("config, tiny_flags", [("configs/chunk/pretrain.yaml", []),
+                                                ("configs/chunk/pretrain-gpu.yaml", []),
+                                                ("configs/chunk/sender.yaml", ["--sender-layers", "1"])])
+def test_the_shipped_recipes_run_at_tiny_size(config, tiny_flags, tmp_path, capsys):
     """Each recipe's settings are read as they stand; at the tiny LM's size on the CPU, two steps run."""
     from pathlib import Path
 
@@ -199,7 +201,7 @@ def test_the_shipped_recipes_run_at_tiny_size(config, tmp_path, capsys):
     assert runtime["lm"] == "smollm2-135m-instruct" and cfg.chunk_tokens == 8 and cfg.steps >= 1500
     code = main(["--config", str(root / config), "--out", str(tmp_path / "run"), "--lm", "tiny-qwen3", "--device", "cpu",
                  "--dtype", "float32", "--steps", "2", "--eval-every", "2", "--heldout-chunks", "4", "--width", "8",
-                 "--inner", "16", "--babi-stories", "10"])
+                 "--inner", "16", "--babi-stories", "10", *tiny_flags])
     assert code == 0
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "curve.jsonl").read_text().splitlines()] == [0, 2]
 
