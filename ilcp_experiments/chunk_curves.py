@@ -41,7 +41,9 @@ def heading(run: dict) -> str:
                 f"{run['vae']['beta']}), over the writer {run['writer_from']} (c = {run['writer']['chunk_tokens']}, "
                 f"frozen); {cfg['steps']} vector-fit steps of {cfg['batch_chunks']} chunks"
                 + (f", then {cfg['receiver_steps']} read-back steps" if cfg.get("receiver_steps") else ""))
-    extra = "".join([", the direct path" if cfg.get("direct") else "",
+    extra = "".join([f", the LM as writer (adapters of rank {cfg.get('sender_rank')} on its top {cfg['sender_layers']} "
+                     "layers)" if cfg.get("sender_layers") else "",
+                     ", the direct path" if cfg.get("direct") else "",
                      f", {cfg['reading_vectors']} reading vectors" if cfg.get("reading_vectors") else "",
                      f", {cfg['continuation_tokens']} tokens of continuation" if cfg.get("continuation_tokens") else "",
                      f", from {Path(cfg['init_from']).name}" if cfg.get("init_from") else ""])
