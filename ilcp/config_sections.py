@@ -253,13 +253,6 @@ class HandoffConfig:
             raise ValueError("handoff.distill_teacher=cold_read_tuned trains cold_read_tuned first: add it to "
                              "handoff.variants")
 
-    def steps_of(self, variant: str) -> int:
-        """The optimizer steps `variant` trains: handoff.max_steps, or cold_read_tuned_steps for
-        cold_read_tuned when that is set."""
-        if variant == "cold_read_tuned" and self.cold_read_tuned_steps:
-            return self.cold_read_tuned_steps
-        return self.max_steps
-
 
 @dataclass
 class ReconstructConfig:

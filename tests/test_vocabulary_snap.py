@@ -15,7 +15,7 @@ from ilcp.encoder.model import ILCPEncoder, snap_to_vocabulary
 from ilcp.export import ExportError, read_config
 from ilcp.handoff import ILCPHandoff
 from ilcp.training import train
-from ilcp.training.handoff_stage import attach_projector
+from ilcp.training.handoff_stage import attach_projector, variant_steps
 from ilcp.training.pipeline import training_order
 from ilcp.export_integrity import redigest
 
@@ -236,7 +236,7 @@ def test_cold_read_tuned_steps_sets_that_variants_budget_alone(tmp_path, tiny_lm
         f"out_dir={tmp_path}", "run_name=budget", "trainer.progress=false", "handoff.memory_placement=in_prompt",
         "handoff.format_from=cold_read_tuned", "handoff.variants=[ilcp, cold_read_tuned]", "handoff.max_steps=3",
         "handoff.cold_read_tuned_steps=2", "handoff.val_every_steps=1"])
-    assert (cfg.handoff.steps_of("cold_read_tuned"), cfg.handoff.steps_of("ilcp")) == (2, 3)
+    assert (variant_steps(cfg.handoff, "cold_read_tuned"), variant_steps(cfg.handoff, "ilcp")) == (2, 3)
     result = train(cfg, lm=tiny_lm)
     variants = result.metrics["variants"]
     assert (variants["cold_read_tuned"]["steps"], variants["ilcp"]["steps"]) == (2, 3)

@@ -19,7 +19,6 @@ import json
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -34,6 +33,7 @@ from ..receiver import prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import TrainConfig
 from ..config_sections import HandoffConfig
+from .variants import VARIANTS, Variant, variant_of, variant_steps  # noqa: F401 (the first two re-exported)
 from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..encoder.pooling import forward_groups
@@ -67,39 +67,6 @@ def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEn
     projector.calibrate_output_norm(mean_token_embedding_norm(lm.model))
     encoder.projector = projector
     return encoder
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What a stage-2 variant is, as the training recipe needs it.
-
-    Attributes:
-        name: its name in ``handoff.variants`` and in eval's methods.
-        reads_encoder: its memory is the run's encoder (latents projected to K vectors); else K
-            trained constant vectors.
-        reads_context_text: the receiver reads the context's text beside the memory.
-        reads_selected_rows: the receiver reads the sender's selected rows (`selected_prompts`).
-    """
-
-    name: str
-    reads_encoder: bool = False
-    reads_context_text: bool = False
-    reads_selected_rows: bool = False
-
-
-VARIANTS = {v.name: v for v in (
-    Variant("ilcp", reads_encoder=True),
-    Variant("prompt_tuned"),
-    Variant("cold_read_tuned", reads_context_text=True),
-    Variant("selection_tuned", reads_context_text=True, reads_selected_rows=True),
-)}
-
-
-def variant_of(name: str) -> Variant:
-    """The variant named `name`; ValueError for an unknown one."""
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}")
-    return VARIANTS[name]
 
 
 def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEncoder | None = None,
@@ -402,10 +369,10 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
     module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
                            teacher=teacher, recompute_layers=cfg.trainer.recompute_layers,
-                           grouped=cfg.trainer.length_groups, max_steps=cfg.handoff.steps_of(variant))
+                           grouped=cfg.trainer.length_groups, max_steps=variant_steps(cfg.handoff, variant))
     tr, fr = parameter_counts(module)
     h = cfg.handoff
-    steps = h.steps_of(variant)
+    steps = variant_steps(h, variant)
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
         f"{steps} steps of batch {h.batch_size}")
