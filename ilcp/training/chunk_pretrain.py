@@ -79,8 +79,8 @@ class ChunkPretrainConfig:
 
     def __post_init__(self):
         least = {"chunk_tokens": 1, "batch_chunks": 1, "steps": 0, "eval_every": 1, "heldout_chunks": 1, "width": 1,
-                 "inner": 1, "window_chunks": 1, "reading_vectors": 0, "continuation_tokens": 0, "warmup_steps": 0, "sender_layers": 0,
-                 "sender_rank": 1}
+                 "inner": 1, "window_chunks": 1, "reading_vectors": 0, "continuation_tokens": 0, "warmup_steps": 0,
+                 "sender_layers": 0, "sender_rank": 1}
         for name, low in least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -33,7 +33,6 @@ from ..receiver import prompts
 from ..compat import logits_to_keep_kwargs
 from ..config import TrainConfig
 from ..config_sections import HandoffConfig
-from .variants import VARIANTS, Variant, variant_of, variant_steps  # noqa: F401 (the first two re-exported)
 from ..receiver.decoding import answer_loss_and_greedy, greedy_decode, left_pad
 from ..encoder.model import ConstantMemory, FormatPrompt, ILCPEncoder, MemorySource
 from ..encoder.pooling import forward_groups
@@ -48,6 +47,7 @@ from .recompute import recomputing
 from .losses import LossTerm, answer_terms, weighted_sum
 from .log import (checkpoint_state, ignore_resume_warnings, last_checkpoint, make_trainer, parameter_counts,
                   prepare_stage_log, read_curve, say)
+from .variants import VARIANTS, Variant, variant_of, variant_steps  # noqa: F401 (the first two re-exported)
 
 
 def warmup_cosine(step: int, total: int, warmup: int) -> float:
@@ -367,17 +367,17 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     kind = variant_of(variant)
     selected = selected_prompts(cfg.handoff, lm, data) if kind.reads_selected_rows else None
     teacher = (trained or {}).get("cold_read_tuned") if cfg.handoff.distill_teacher == "cold_read_tuned" else None
-    module = HandoffModule(source, lm, cfg.handoff, val_decode_size=cfg.data.val_decode_size, selected=selected,
-                           teacher=teacher, recompute_layers=cfg.trainer.recompute_layers,
-                           grouped=cfg.trainer.length_groups, max_steps=variant_steps(cfg.handoff, variant))
-    tr, fr = parameter_counts(module)
     h = cfg.handoff
-    steps = variant_steps(h, variant)
+    budget = variant_steps(h, variant)
+    module = HandoffModule(source, lm, h, val_decode_size=cfg.data.val_decode_size, selected=selected,
+                           teacher=teacher, recompute_layers=cfg.trainer.recompute_layers,
+                           grouped=cfg.trainer.length_groups, max_steps=budget)
+    tr, fr = parameter_counts(module)
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
-        f"{steps} steps of batch {h.batch_size}")
+        f"{budget} steps of batch {h.batch_size}")
     steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
-                                            max_steps=steps, val_every_steps=h.val_every_steps,
+                                            max_steps=budget, val_every_steps=h.val_every_steps,
                                             start=source if h.validate_start else None)
     metrics = {
         "variant": variant, "steps": steps, "train_seconds": round(seconds, 1),
