@@ -116,7 +116,8 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         f"{_commands(prov.get('command'))} on {prov.get('date')}, {prov.get('machine')}: the first "
         f"{max(t.get('n', 0) for t in results['tasks'].values())} "
         "test questions per task; score: exact match, on SQuAD F1, % with 95% intervals. cold_read_tuned reads the "
-        "context text behind the tuned vectors this run reads too" + _taken(results)
+        "context text behind " + ("the tuned vectors this run reads too" + _taken(results)
+                                  if results.get("baselines_from") else "this run's tuned vectors")
         + "; prompt_tuned reads the question alone: the floor a handoff must beat.", "",
         *results_table(results), "", summary(results), ""])
 
@@ -130,8 +131,6 @@ def _steps(h: dict) -> str:
 
 def _taken(results: dict) -> str:
     """Which baseline rows another evaluation of the same questions gave (`merge_baselines`)."""
-    if not results.get("baselines_from"):
-        return ""
     taken = results.get("baselines_taken") or list(BASELINES)  # a merge recorded before the list was kept
     verb = "is" if len(taken) == 1 else "are"
     return f"; {' and '.join(taken)} {verb} from `{results['baselines_from']}`, the same questions"
