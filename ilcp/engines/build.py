@@ -94,7 +94,14 @@ def create_engine(model: str | os.PathLike, *, pooling: bool = False, **kwargs):
         ImportError: vLLM is not installed (the message gives the install command).
     """
     vllm = require_vllm()
-    return vllm.LLM(model=str(model), **engine_kwargs(pooling=pooling, **kwargs))
+    import torch
+
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        return vllm.LLM(model=str(model), **engine_kwargs(pooling=pooling, **kwargs))
+    finally:  # vLLM's CPU worker replaces torch.set_num_threads by a function that only warns
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
 
 
 def check_prefix(prefix, hidden_size: int, max_new_tokens: int, max_model_len: int | None, index: int = 0, *,
