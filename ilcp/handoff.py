@@ -123,6 +123,7 @@ class ILCPHandoff:
         max_payload_latents = (encoder.max_latents(self.spec.max_length) if max_payload_latents is None
                                else positive_int("max_payload_latents", max_payload_latents))
         encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)  # used when the encoder snaps
+        encoder.bind_lm(lm.model)  # an encoder whose writer is the LM itself
         recorded = str(config.get("lm", {}).get("precision", "32-true"))
         precision = resolve(recorded if precision is None else precision, device)
         self.sender = Sender(lm, encoder, self.spec, fingerprint, device=device, precision=precision,

@@ -4,8 +4,11 @@ pretraining run with it resumes on the same curve."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ilcp.encoder.chunk_sender import SenderChunkWriter
 from ilcp.lm import lm_fingerprint, load_lm
@@ -19,7 +22,7 @@ def tiny():
 
 def _writer(tiny, **kw) -> SenderChunkWriter:
     table = tiny.model.get_input_embeddings().weight
-    return SenderChunkWriter(tiny.model, 4, table[1], **{"layers": 1, "rank": 4, **kw})
+    return SenderChunkWriter.for_model(tiny.model, 4, table[1], **{"layers": 1, "rank": 4, **kw})
 
 
 def test_an_untrained_writer_hands_over_the_first_token_and_leaves_the_lm_as_it_was(tiny):
@@ -86,9 +89,9 @@ def test_the_receivers_loss_trains_the_adapters_and_head_alone(tiny):
 def test_bad_sender_settings_are_refused(tiny):
     table = tiny.model.get_input_embeddings().weight
     with pytest.raises(ValueError, match="the LM has 2 decoder layers"):
-        SenderChunkWriter(tiny.model, 4, table[1], layers=3)
+        SenderChunkWriter.for_model(tiny.model, 4, table[1], layers=3)
     with pytest.raises(ValueError, match="memory_embedding"):
-        SenderChunkWriter(tiny.model, 4, table[1, :3], layers=1)
+        SenderChunkWriter.for_model(tiny.model, 4, table[1, :3], layers=1)
     with pytest.raises(ValueError, match="no such path"):
         ChunkPretrainConfig(sender_layers=2, direct=True)
     with pytest.raises(ValueError, match="sender_rank"):
@@ -110,16 +113,27 @@ def test_a_sender_pretraining_resumes_on_the_same_curve_and_leaves_no_hooks(tiny
     assert not hooks
 
 
-def test_shipping_or_narrowing_a_sender_writer_is_refused_in_one_line(tiny, tmp_path):
+def test_a_sender_writer_ships_with_its_card_and_a_vae_fits_over_it(tiny, tmp_path):
+    from ilcp.encoder.chunk_files import read_writer_state
     from ilcp.training.chunk_latent import load_writer
     from ilcp.training.chunk_ship import ship
 
-    state = tmp_path / "run" / "state"
-    state.mkdir(parents=True)
-    (state / "state.json").write_text('{"step": 1, "seconds": 1.0, "config": {}, "writer": {"kind": "sender", '
-                                      '"hidden_size": 64, "chunk_tokens": 4}}')
-    with pytest.raises(ValueError, match="only the embedding writer ships"):
-        ship(tmp_path / "run", tmp_path / "out", tiny, log=lambda _m: None)
-    with pytest.raises(ValueError, match="a VAE is fitted over an embedding writer only"):
-        load_writer(tmp_path / "run", tiny)
-    assert not (tmp_path / "out").exists()
+    quiet = lambda _m: None  # noqa: E731
+    cfg = ChunkPretrainConfig(chunk_tokens=4, batch_chunks=8, steps=2, eval_every=2, heldout_chunks=4, babi_stories=10,
+                              sender_layers=1, sender_rank=4)
+    pretrain(tmp_path / "run", tiny, cfg, log=quiet)
+    dest = ship(tmp_path / "run", tmp_path / "shipped", tiny, texts_per_set=4, log=quiet)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["writer"] == {"kind": "sender", "hidden_size": 64, "chunk_tokens": 4, "layers": 1, "rank": 4}
+    card = (dest / "README.md").read_text()
+    assert "the LM itself" in card and "compressor.memory.writer=sender compressor.memory.sender_layers=1" in card
+    shipped = read_writer_state(dest, config["writer"], tiny.fingerprint)
+    for name, tensor in load_file(str(tmp_path / "run" / "state" / "writer.safetensors")).items():
+        torch.testing.assert_close(shipped[name], tensor)
+    writer = load_writer(dest, tiny)  # what chunk_latent fits its VAE over
+    table = tiny.model.get_input_embeddings().weight
+    chunks = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        again = SenderChunkWriter.for_model(tiny.model, 4, table[1], layers=1, rank=4)
+        again.load_state_dict(shipped)
+        torch.testing.assert_close(writer(table[chunks]), again(table[chunks]))

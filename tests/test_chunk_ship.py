@@ -50,7 +50,7 @@ def test_a_changed_writer_another_lm_or_other_settings_are_refused_in_one_line(s
     _, dest = shipped
     with pytest.raises(ValueError, match="the run's LM has fingerprint 0000"):
         read_writer_state(dest, SETTINGS, "0000")
-    with pytest.raises(ValueError, match="set compressor.memory.chunk_tokens, width, inner and direct"):
+    with pytest.raises(ValueError, match="set compressor.memory.chunk_tokens, writer, and width, inner and direct"):
         read_writer_state(dest, {**SETTINGS, "inner": 32}, tiny_lm.fingerprint)
     copy = tmp_path / "copy"
     shutil.copytree(dest, copy)

@@ -123,11 +123,12 @@ class ChunkWriter(nn.Module):
 
 class ChunkPooler(nn.Module):
     """The writer where an `ILCPEncoder` holds its pooler: one chunk's token states (its input
-    embeddings, layer 0), (B, C', D) with mask (B, C'), C' <= C -> one vector (B, D) float32."""
+    embeddings, layer 0), (B, C', D) with mask (B, C'), C' <= C -> one vector (B, D) float32. The
+    writer is a `ChunkWriter` or a `ilcp.encoder.chunk_sender.SenderChunkWriter` (same interface)."""
 
     kind = "chunk"
 
-    def __init__(self, writer: ChunkWriter):
+    def __init__(self, writer: nn.Module):
         super().__init__()
         self.writer = writer
 
@@ -242,7 +243,7 @@ class ChunkEncoder(ILCPEncoder):
     on the wire and its decoding read. It reads layer 0, the context's input embeddings: no sender
     forward."""
 
-    def __init__(self, writer: ChunkWriter, vae: ChunkVAE | None = None, **receiver):
+    def __init__(self, writer: nn.Module, vae: ChunkVAE | None = None, **receiver):
         h = writer.hidden_size
         if vae is not None and vae.input_dim != h:
             raise ValueError(f"the chunk VAE reads vectors of {vae.input_dim} floats, the writer writes {h}")
@@ -250,10 +251,17 @@ class ChunkEncoder(ILCPEncoder):
         super().__init__(latent, projector, ChunkPooler(writer), chunk_tokens=writer.chunk_tokens, **receiver)
 
     @property
-    def writer(self) -> ChunkWriter:
+    def writer(self) -> nn.Module:
         return self.pooler.writer
+
+    def bind_lm(self, model: nn.Module) -> None:
+        """A writer that is the LM itself (`ilcp.encoder.chunk_sender.SenderChunkWriter`) writes
+        with `model` from now on; the embedding MLP needs no LM."""
+        bind = getattr(self.writer, "bind", None)
+        if bind is not None:
+            bind(model)
 
     def memory_for_batch(self, batch: dict, dtype: torch.dtype, sample: bool = False):
         """As `ILCPEncoder.memory_for_batch`, with no sampling and no KL (nothing is sampled)."""
         memory, _ = super().memory_for_batch(batch, dtype, sample=False)
-        return memory, torch.zeros((), device=self.writer.place.device)
+        return memory, torch.zeros((), device=next(self.writer.parameters()).device)

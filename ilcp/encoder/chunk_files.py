@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["WRITER_FILE", "WRITER_FORMAT", "read_writer_state", "shipped_writer_config"]
+__all__ = ["WRITER_FILE", "WRITER_FORMAT", "new_writer", "read_writer_state", "shipped_writer_config", "writer_words"]
 
 WRITER_FORMAT = "ilcp-chunk-writer"
 WRITER_FILE = "writer.safetensors"
@@ -30,6 +30,41 @@ def shipped_writer_config(settings: dict, lm_spec: str, lm_dtype: str, fingerpri
                         "lm": {"spec": lm_spec, "dtype": lm_dtype, "fingerprint": fingerprint,
                                "hidden_size": settings["hidden_size"]},
                         "digests": {WRITER_FILE: file_digest(weights)}, **extra})
+
+
+def new_writer(settings: dict, model):
+    """An untrained writer of these settings (the ``writer`` entry of a pretraining's state.json or
+    a shipped writer's config.json) for the LM `model`: the embedding MLP (`ChunkWriter`), or with
+    ``kind: sender`` the LM itself (`SenderChunkWriter`, bound to `model`); its weights come next
+    (`read_writer_state`). ValueError, its message to follow the writer's name ("--writer FOLDER writes vectors of ..."),
+    for settings that do not describe a writer of this LM."""
+    import torch
+
+    from .chunk import ChunkWriter
+    from .chunk_sender import SenderChunkWriter
+
+    values = dict(settings or {})
+    width = int(model.get_input_embeddings().weight.shape[1])
+    if values.get("hidden_size") != width:
+        raise ValueError(f"writes vectors of {values.get('hidden_size')} floats; the LM's width is {width}")
+    try:
+        if values.pop("kind", "mlp") == "sender":
+            table = model.get_input_embeddings().weight
+            return SenderChunkWriter.for_model(model, values["chunk_tokens"], torch.zeros(width, device=table.device),
+                                               layers=values["layers"], rank=values["rank"],
+                                               reading=values.get("reading", 0))
+        return ChunkWriter(**values)
+    except (KeyError, TypeError):
+        raise ValueError(f"holds writer settings that do not describe a chunk writer: {settings}") from None
+
+
+def writer_words(settings: dict) -> str:
+    """What writes the vectors, in words, for cards and logs."""
+    if settings.get("kind") == "sender":
+        return (f"the LM itself (the chunk, then a memory token; rank-{settings['rank']} adapters on its top "
+                f"{settings['layers']} layers and a linear head)")
+    return (f"one shared MLP from the chunk's input embeddings ({settings['width']} floats a token, "
+            f"{settings['inner']} hidden{', plus the direct linear path' if settings.get('direct') else ''})")
 
 
 def _read_json(path: Path, setting: str = SETTING) -> dict:
@@ -85,5 +120,6 @@ def read_writer_state(folder: Path, wanted: dict, fingerprint: str | None = None
         saved, weights = _read_json(state_json, setting).get("writer"), folder / "state" / WRITER_FILE
     if saved != wanted:
         raise ValueError(f"{setting}: {folder} holds a writer of {saved}, this run builds {wanted}: set "
-                         "compressor.memory.chunk_tokens, width, inner and direct to match")
+                         "compressor.memory.chunk_tokens, writer, and width, inner and direct (writer mlp) or "
+                         "sender_layers and sender_rank (writer sender) to match")
     return load_file(str(weights))

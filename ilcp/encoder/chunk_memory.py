@@ -1,7 +1,12 @@
 """The chunk memory kind's settings (``compressor.memory.kind=chunk``, config.json's
 ``pooling.kind`` "chunk"): one memory vector per chunk of ``chunk_tokens`` context tokens, written
-by one shared `ilcp.encoder.chunk.ChunkWriter` from the chunk's input embeddings (layer 0, so
-``data.pool_layers=[0]``: no sender forward) and read by the receiver as it is, in the chunks' order.
+by one shared writer from the chunk's input embeddings (layer 0, so ``data.pool_layers=[0]``) and
+read by the receiver as it is, in the chunks' order. The writer is an MLP over the embeddings
+(``writer: mlp``, `ilcp.encoder.chunk.ChunkWriter`: no LM forward) or the LM itself with
+low-rank adapters on its top ``sender_layers`` layers (``writer: sender``,
+`ilcp.encoder.chunk_sender.SenderChunkWriter`: one short LM forward per chunk); the adapted LM
+modules are recorded in config.json (``adapters``, filled in from the LM when training starts) and
+the writer is bound to the LM where the handoff is built.
 
 The writer is pretrained on text alone by `ilcp.training.chunk_pretrain`; a run starts from such a
 pretraining with ``compressor.memory.writer_from=FOLDER`` and trains tuned vectors before the
@@ -31,7 +36,8 @@ __all__ = ["ChunkMemory"]
 @dataclass(frozen=True)
 class ChunkMemory(MemoryKind):
     """One vector per chunk of ``chunk_tokens`` tokens, the LM's width, written by one shared MLP
-    (``width`` floats per token, ``inner`` hidden) and sent as it is."""
+    (``width`` floats per token, ``inner`` hidden) or by the LM with adapters (``writer: sender``,
+    ``sender_layers``, ``sender_rank``), and sent as it is."""
 
     kind: ClassVar[str] = "chunk"
     exports_as_started: ClassVar[bool] = True  # a pretrained writer (writer_from), or the untrained one's first tokens
@@ -42,6 +48,16 @@ class ChunkMemory(MemoryKind):
     inner: int = setting(1024, "the writer MLP's hidden width", minimum=1, maximum=MAX_COUNT)
     direct: bool = setting(False, "add to the writer a path linear in the token embeddings (one matrix per place in "
                                   "the chunk, shared by the whole vocabulary)", omit_default=True)
+    writer: str = setting("mlp", "what writes a chunk's vector: mlp (an MLP over its token embeddings) or sender "
+                                 "(the LM itself reads the chunk, then a memory token; adapters on its top layers)",
+                          choices=("mlp", "sender"), omit_default=True)
+    sender_layers: int = setting(8, "writer sender: the top decoder layers whose linear maps get adapters", minimum=1,
+                                 maximum=MAX_COUNT, written_with="writer")
+    sender_rank: int = setting(16, "writer sender: the adapters' rank", minimum=1, maximum=MAX_COUNT,
+                               written_with="writer")
+    # ((LM module name, in, out), ...) the sender writer adapts: config.json's ``adapters``, filled in from the LM
+    adapters: tuple = setting((), "the LM modules the sender writer adapts and their sizes", written_with="writer",
+                              configurable=False, compare=False)
     latent: int = setting(0, "floats a chunk crosses the wire as, through a beta-VAE per chunk (0 = the writer's "
                              "vector, the LM's width)", minimum=0, maximum=MAX_COUNT, omit_default=True)
     latent_from: str = setting("", "with latent > 0: the --out folder of python -m ilcp.training.chunk_latent, a "
@@ -51,6 +67,20 @@ class ChunkMemory(MemoryKind):
                                    "(python -m ilcp.training.chunk_pretrain --out DIR) whose writer the run starts "
                                    "from ('' = an untrained writer)",
                                exported=False, compare=False)
+
+    def check(self) -> None:
+        modules = tuple(tuple(m) for m in self.adapters)
+        if not all(len(m) == 3 and isinstance(m[0], str) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 1 for v in m[1:]) for m in modules):
+            raise ValueError(f"{self.name_of('adapters')} must list [LM module name, in, out] triples")
+        object.__setattr__(self, "adapters", modules)
+        if modules and self.writer != "sender":
+            raise ValueError(f"{self.name_of('adapters')} belong to {self.name_of('writer')} sender")
+
+    @property
+    def lm_writes(self) -> bool:
+        """Whether the LM itself writes the vectors (``writer: sender``)."""
+        return self.writer == "sender"
 
     # ------------------------------------------------------------------ what training asks
 
@@ -72,16 +102,32 @@ class ChunkMemory(MemoryKind):
     def start(self, cfg, lm, train) -> ChunkEncoder:
         """The writer, untrained (it hands over each chunk's first token) or from ``writer_from``;
         there is no stage 1: nothing is fitted on cached states."""
+        import dataclasses
+
+        import torch
+
         from ..training.log import say
+        from .chunk_sender import memory_token_id
 
         vae = self.load_latent(Path(self.latent_from), lm.hidden_size) if self.latent else None
-        encoder = self.encoder(vae, None, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
+        kind = self
+        if self.lm_writes:  # the adapted modules, from this LM, recorded in config.json
+            from .chunk_sender import top_layer_modules
+
+            kind = dataclasses.replace(self, adapters=tuple(top_layer_modules(lm.model, self.sender_layers)))
+        encoder = kind.encoder(vae, None, kind.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
+        if self.lm_writes:
+            writer = encoder.writer
+            with torch.no_grad():  # the memory token: the end-of-text token (overwritten by writer_from's)
+                writer.memory_embedding.copy_(lm.model.get_input_embeddings().weight[memory_token_id(lm.tokenizer)])
+            encoder.bind_lm(lm.model)
         if self.writer_from:
             self.load_writer(encoder, Path(self.writer_from), lm.fingerprint)
             say(f"stage 1 (compressor): chunk memory, the writer from {self.writer_from}"
                 + (f", a {self.latent}-float latent a chunk from {self.latent_from}" if self.latent else ""))
         else:
-            say(f"stage 1 (compressor): chunk memory, an untrained writer (one vector per {self.chunk_tokens} tokens)")
+            say(f"stage 1 (compressor): chunk memory, an untrained {self.describe_writer()} (one vector per "
+                f"{self.chunk_tokens} tokens)")
         return encoder
 
     def load_latent(self, folder: Path, hidden_size: int) -> ChunkVAE:
@@ -123,12 +169,24 @@ class ChunkMemory(MemoryKind):
     def describe(self) -> str:
         return "chunk memory"
 
+    def describe_writer(self) -> str:
+        if self.lm_writes:
+            return f"writer (the LM, rank-{self.sender_rank} adapters on its top {self.sender_layers} layers)"
+        return "writer (an MLP over the token embeddings)"
+
     def card_unit(self) -> str:
         if self.latent:
-            return (f"one latent per {self.chunk_tokens} context tokens: one shared MLP writes a vector of the LM's "
+            return (f"one latent per {self.chunk_tokens} context tokens: one shared {self._writer_words()} writes a "
+                    "vector of the LM's "
                     f"width, a beta-VAE per chunk narrows it to {self.latent} floats on the wire, the receiver reads "
                     "its decoding")
-        return f"one vector of the LM's width per {self.chunk_tokens} context tokens, written by one shared MLP"
+        return (f"one vector of the LM's width per {self.chunk_tokens} context tokens, written by one shared "
+                f"{self._writer_words()}")
+
+    def _writer_words(self) -> str:
+        if self.lm_writes:
+            return f"function (the LM with rank-{self.sender_rank} adapters on its top {self.sender_layers} layers)"
+        return "MLP"
 
     # ------------------------------------------------------------------ the modules
 
@@ -138,14 +196,27 @@ class ChunkMemory(MemoryKind):
 
         if not isinstance(encoder, ChunkEncoder):
             return None
+        from .chunk_sender import SenderChunkWriter
+
         w = encoder.writer
         latent = encoder.vae.latent_dim if isinstance(encoder.vae, ChunkVAE) else 0
+        if isinstance(w, SenderChunkWriter):
+            return cls(chunk_tokens=w.chunk_tokens, writer="sender", sender_layers=w.layers, sender_rank=w.rank,
+                       adapters=w.adapted_modules, latent=latent)
         return cls(chunk_tokens=w.chunk_tokens, width=w.width, inner=w.inner, direct=w.direct is not None,
                    latent=latent)
 
     def pooler(self, state_dim: int, hidden_size: int | None = None) -> ChunkPooler:
         from .chunk import ChunkPooler, ChunkWriter
 
+        if self.lm_writes:
+            from .chunk_sender import SenderChunkWriter
+
+            if not self.adapters:
+                raise ValueError(f"{self.name_of('writer')} sender: the adapted LM modules are filled in from the LM "
+                                 f"({self.name_of('adapters')}); none are recorded")
+            return ChunkPooler(SenderChunkWriter(hidden_size or state_dim, self.chunk_tokens, self.adapters,
+                                                 layers=self.sender_layers, rank=self.sender_rank))
         return ChunkPooler(ChunkWriter(hidden_size or state_dim, self.chunk_tokens, width=self.width, inner=self.inner,
                                        direct=self.direct))
 

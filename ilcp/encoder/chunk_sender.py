@@ -24,7 +24,12 @@ from torch import Tensor, nn
 from .chunk import ChunkWriter
 from .slots import LowRank, adapters_acting
 
-__all__ = ["SenderChunkWriter", "decoder_layers"]
+__all__ = ["SenderChunkWriter", "adapter_key", "decoder_layers", "memory_token_id", "top_layer_modules"]
+
+
+def memory_token_id(tokenizer) -> int:
+    """The token whose input embedding is the memory token: end-of-text (else padding, else id 0)."""
+    return next((t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None), 0)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -36,50 +41,101 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def top_layer_modules(model: nn.Module, layers: int) -> list[tuple[str, int, int]]:
+    """(LM module name, in, out) of every linear map in the LM's top `layers` decoder layers."""
+    stack = decoder_layers(model)
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= len(stack):
+        raise ValueError(f"SenderChunkWriter: layers={layers!r}, but the LM has {len(stack)} decoder layers "
+                         f"(1 to {len(stack)})")
+    chosen = {id(m) for layer in stack[len(stack) - layers:] for m in layer.modules()}
+    return [(name, m.in_features, m.out_features) for name, m in model.named_modules()
+            if id(m) in chosen and isinstance(m, nn.Linear)]
+
+
+def adapter_key(name: str) -> str:
+    """An adapted LM module's key among the writer's adapters: its layer index and its path in the
+    layer ("model.layers.22.self_attn.q_proj" -> "22_self_attn_q_proj")."""
+    parts = name.split(".")
+    first = next((i for i, part in enumerate(parts) if part.isdigit()), 0)
+    return "_".join(parts[first:])
+
+
 class SenderChunkWriter(nn.Module):
     """Chunks of c token embeddings -> one memory vector each, written by the LM with adapters.
 
+    Built for an LM with `for_model`; built from recorded settings (an export's config.json) with
+    the constructor and then bound to the LM it was trained for with `bind` (the LM is not part of
+    the writer's weights).
+
     Args:
-        model: the frozen transformers causal LM (also the receiver; not registered here, so the
-            writer's state dict holds only what it trains).
+        hidden_size: the LM's width.
         chunk_tokens: c, tokens per chunk.
-        memory_embedding: (H,) the memory token's input embedding (fixed), e.g. a token's row.
-        layers: the top decoder layers whose linear maps get adapters (>= 1).
+        modules: ((LM module name, in, out), ...): the linear maps the adapters adapt, those of the
+            top ``layers`` decoder layers (`top_layer_modules`).
+        layers: how many top decoder layers that is (>= 1).
         rank: the adapters' rank.
         reading: tuned reading vectors, as `ChunkWriter`'s (0: none).
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int, memory_embedding: Tensor, *, layers: int = 4,
-                 rank: int = 8, reading: int = 0):
+    def __init__(self, hidden_size: int, chunk_tokens: int, modules, *, layers: int, rank: int, reading: int = 0):
         super().__init__()
-        stack = decoder_layers(model)
-        for name, value, low in (("chunk_tokens", chunk_tokens, 1), ("layers", layers, 1), ("rank", rank, 1),
-                                 ("reading", reading, 0)):
+        for name, value, low in (("hidden_size", hidden_size, 1), ("chunk_tokens", chunk_tokens, 1),
+                                 ("layers", layers, 1), ("rank", rank, 1), ("reading", reading, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SenderChunkWriter: {name} must be an integer >= {low}, got {value!r}")
-        if layers > len(stack):
-            raise ValueError(f"SenderChunkWriter: layers={layers}, but the LM has {len(stack)} decoder layers")
+        self._adapted = tuple((str(name), int(n_in), int(n_out)) for name, n_in, n_out in modules)
+        if not self._adapted:
+            raise ValueError("SenderChunkWriter: no LM modules to adapt")
+        keys = [adapter_key(name) for name, _, _ in self._adapted]
+        if len(set(keys)) != len(keys):
+            raise ValueError("SenderChunkWriter: two adapted LM modules share a layer index and path")
+        self._model: tuple[nn.Module, ...] = ()  # the bound LM, in a tuple: not a submodule, not in the state dict
+        self.hidden_size, self.chunk_tokens, self.layers, self.rank = hidden_size, chunk_tokens, layers, rank
+        self.register_buffer("memory_embedding", torch.zeros(hidden_size))  # the memory token's input embedding
+        self.head = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.adapters = nn.ModuleDict({key: LowRank(n_in, n_out, rank)
+                                       for key, (_, n_in, n_out) in zip(keys, self._adapted)})
+        self.reading = nn.Parameter(torch.zeros(reading, hidden_size)) if reading else None
+
+    @classmethod
+    def for_model(cls, model: nn.Module, chunk_tokens: int, memory_embedding: Tensor, *, layers: int = 4,
+                  rank: int = 8, reading: int = 0) -> SenderChunkWriter:
+        """A new writer bound to `model` (the frozen LM, also the receiver), adapters on its top
+        `layers` decoder layers, the memory token's input embedding `memory_embedding` (H,) (a
+        token's row, e.g. the end-of-text token's)."""
         hidden = int(model.get_input_embeddings().weight.shape[1])
         if memory_embedding.shape != (hidden,):
             raise ValueError(f"SenderChunkWriter: memory_embedding must be ({hidden},), got "
                              f"{tuple(memory_embedding.shape)}")
-        self._model = (model,)  # a tuple keeps the LM out of this module's parameters and state dict
-        self.hidden_size, self.chunk_tokens, self.layers, self.rank = hidden, chunk_tokens, layers, rank
-        self.register_buffer("memory_embedding", memory_embedding.detach().float().clone())
-        self.head = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-        names = {id(m): n for n, m in model.named_modules()}
-        self._adapted, self._keys = [], {}  # (LM module name, in, out); LM module name -> adapter key
-        for i in range(len(stack) - layers, len(stack)):
-            for name, module in stack[i].named_modules():
-                if isinstance(module, nn.Linear):
-                    full = names[id(module)]
-                    self._adapted.append((full, module.in_features, module.out_features))
-                    self._keys[full] = f"{i}.{name}".replace(".", "_")  # "22_self_attn_q_proj"
-        self.adapters = nn.ModuleDict({self._keys[full]: LowRank(n_in, n_out, rank)
-                                       for full, n_in, n_out in self._adapted})
-        self.reading = nn.Parameter(torch.zeros(reading, hidden)) if reading else None
+        writer = cls(hidden, chunk_tokens, top_layer_modules(model, layers), layers=layers, rank=rank, reading=reading)
+        with torch.no_grad():
+            writer.memory_embedding.copy_(memory_embedding.detach().float())
+        writer.bind(model)
+        return writer.to(memory_embedding.device)
+
+    @property
+    def adapted_modules(self) -> tuple[tuple[str, int, int], ...]:
+        """((LM module name, in, out), ...) the adapters adapt."""
+        return self._adapted
+
+    def bind(self, model: nn.Module) -> None:
+        """Write with `model` from now on: the LM these adapters were trained for (same width, the
+        adapted modules at these sizes in its top ``layers`` decoder layers); ValueError otherwise."""
+        hidden = int(model.get_input_embeddings().weight.shape[1])
+        if hidden != self.hidden_size:
+            raise ValueError(f"this chunk writer was trained for an LM of width {self.hidden_size}, not {hidden}")
+        if list(top_layer_modules(model, self.layers)) != list(self._adapted):
+            raise ValueError(f"this chunk writer's adapters do not fit this LM's top {self.layers} decoder layers")
+        self._model = (model,)
+
+    @property
+    def model(self) -> nn.Module:
+        if not self._model:
+            raise ValueError("this chunk writer is the LM itself: bind it to its LM first (writer.bind(model); "
+                             "ILCPHandoff does so)")
+        return self._model[0]
 
     def settings(self) -> dict:
         out = {"kind": "sender", "hidden_size": self.hidden_size, "chunk_tokens": self.chunk_tokens,
@@ -96,7 +152,7 @@ class SenderChunkWriter(nn.Module):
         if embeds.dim() != 3 or embeds.shape[1:] != (self.chunk_tokens, self.hidden_size):
             raise ValueError(f"SenderChunkWriter expects chunks of shape (N, {self.chunk_tokens}, "
                              f"{self.hidden_size}), got {tuple(embeds.shape)}")
-        model = self._model[0]
+        model = self.model
         n, c, _ = embeds.shape
         dtype = model.get_input_embeddings().weight.dtype
         memory = self.memory_embedding.to(dtype).expand(n, 1, -1)
@@ -105,7 +161,7 @@ class SenderChunkWriter(nn.Module):
         if lengths is not None:
             mask[:, :c] = (torch.arange(c, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]).long()
         positions = torch.arange(c + 1, device=embeds.device).expand(n, -1)
-        with adapters_acting(model, self._adapted, self.adapters, "chunk writer", self._keys.__getitem__):
+        with adapters_acting(model, self._adapted, self.adapters, "chunk writer", adapter_key):
             out = model.base_model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions, use_cache=False)
         state = out.last_hidden_state[:, -1].float()
         return embeds[:, 0].float() + self.head(state)

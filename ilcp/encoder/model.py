@@ -200,6 +200,11 @@ class ILCPEncoder(nn.Module):
         weight = embedding_weight.detach()
         self._vocabulary = (weight, 1.0 / weight.float().norm(dim=-1).clamp_min(1e-8))
 
+    def bind_lm(self, model: nn.Module) -> None:
+        """The LM this encoder sends and receives with, for an encoder whose own modules run it (a
+        chunk writer that is the LM itself); the others need nothing. Called wherever a handoff is
+        built around an encoder."""
+
     def memory(self, latent: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """z (B, Z) -> memory vectors (B, K, H); with chunks, z (B, N, Z) -> (B, N * K, H), each
         latent's K vectors in chunk order, snapped to the vocabulary when the encoder does so.

@@ -103,7 +103,7 @@ class LatentWriter(nn.Module):
 
 def load_writer(folder: Path, lm: LM) -> ChunkWriter:
     """A shipped writer (config.json) or a pretraining folder (state/), for this LM."""
-    from ..encoder.chunk_files import read_writer_state
+    from ..encoder.chunk_files import new_writer, read_writer_state
 
     folder = Path(folder)
     shipped = folder / "config.json"
@@ -113,15 +113,10 @@ def load_writer(folder: Path, lm: LM) -> ChunkWriter:
         settings = json.loads((folder / "state" / "state.json").read_text()).get("writer") or {}
     else:
         raise ValueError(f"--writer {folder}: neither a shipped chunk writer nor a chunk pretraining folder")
-    if settings.get("kind") == "sender":
-        raise ValueError(f"--writer {folder} trained the LM itself as its writer (--sender-layers): a VAE is fitted "
-                         "over an embedding writer only so far")
-    if settings.get("hidden_size") != lm.hidden_size:
-        raise ValueError(f"--writer {folder} writes vectors of {settings.get('hidden_size')} floats; "
-                         f"the LM's width is {lm.hidden_size}")
-    writer = ChunkWriter(settings["hidden_size"], settings["chunk_tokens"], width=settings["width"],
-                         inner=settings["inner"], direct=bool(settings.get("direct")),
-                         reading=int(settings.get("reading", 0)))
+    try:
+        writer = new_writer(settings, lm.model)
+    except ValueError as e:
+        raise ValueError(f"--writer {folder} {e}") from None
     writer.load_state_dict(read_writer_state(folder, writer.settings(), lm.fingerprint if shipped.is_file() else None,
                                              setting="--writer", lm_fix="set --lm and --dtype to the writer's"))
     return writer.to(lm.device).eval()

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..compat import cache_kwargs, cache_tensors, new_dynamic_cache, output_cache
 from ..encoder.chunk import ChunkWriter
-from ..encoder.chunk_sender import SenderChunkWriter
+from ..encoder.chunk_sender import SenderChunkWriter, memory_token_id
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from ..receiver.prompts import continuation_prompt, reconstruction_prompt
@@ -268,11 +268,10 @@ def make_writer(cfg: ChunkPretrainConfig, lm: LM) -> ChunkWriter | SenderChunkWr
     if not cfg.sender_layers:
         return ChunkWriter(lm.hidden_size, cfg.chunk_tokens, width=cfg.width, inner=cfg.inner, direct=cfg.direct,
                            reading=cfg.reading_vectors).to(lm.device)
-    tok = lm.tokenizer
-    token = next((t for t in (tok.eos_token_id, tok.pad_token_id, 0) if t is not None), 0)
     table = lm.model.get_input_embeddings().weight
-    return SenderChunkWriter(lm.model, cfg.chunk_tokens, table[token], layers=cfg.sender_layers,
-                             rank=cfg.sender_rank, reading=cfg.reading_vectors).to(lm.device)
+    return SenderChunkWriter.for_model(lm.model, cfg.chunk_tokens, table[memory_token_id(lm.tokenizer)],
+                                       layers=cfg.sender_layers, rank=cfg.sender_rank,
+                                       reading=cfg.reading_vectors).to(lm.device)
 
 
 def write(writer: ChunkWriter, reader: ChunkReader, windows: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..encoder.chunk import ChunkWriter
-from ..encoder.chunk_files import WRITER_FILE, read_writer_state, shipped_writer_config
+from ..encoder.chunk_files import WRITER_FILE, new_writer, read_writer_state, shipped_writer_config, writer_words
 from ..io import atomic_write_json, atomic_write_text
 from ..lm import LM, LMLoadError, load_lm
 from .chunk_pretrain import ChunkPretrainConfig, ChunkReader, cut, even_sample, heldout_texts, tokenize, write
@@ -75,6 +75,13 @@ def readback(writer: ChunkWriter, lm: LM, cfg: ChunkPretrainConfig, texts_per_se
     return rows
 
 
+def _writer_settings(w: dict) -> str:
+    if w.get("kind") == "sender":
+        return (f"compressor.memory.writer=sender compressor.memory.sender_layers={w['layers']} "
+                f"compressor.memory.sender_rank={w['rank']} ")
+    return ""
+
+
 def card(config: dict, rows: list[dict], dest: str) -> str:
     p, w = config["pretraining"], config["writer"]
     c = w["chunk_tokens"]
@@ -85,13 +92,12 @@ def card(config: dict, rows: list[dict], dest: str) -> str:
     sessions = p["sessions"]
     return "\n".join([
         f"# Pretrained chunk writer for `{config['lm']['spec']}`", "",
-        f"One memory vector of the LM's width ({w['hidden_size']} floats) per {c} context tokens, written by one "
-        f"shared MLP from the chunk's input embeddings ({w['width']} floats a token, {w['inner']} hidden"
-        f"{', plus the direct linear path' if w.get('direct') else ''}); the frozen receiver reads the vectors in the "
+        f"One memory vector of the LM's width ({w['hidden_size']} floats) per {c} context tokens, written by "
+        f"{writer_words(w)}; the frozen receiver reads the vectors in the "
         f"chunks' order. For the LM `{config['lm']['spec']}` in {config['lm']['dtype']} (fingerprint "
         f"`{config['lm']['fingerprint']}`; another LM is refused). Pretrained on text alone, never on a question.", "",
-        f"Start a run from it with `compressor.memory.kind=chunk compressor.memory.writer_from={dest}` "
-        "(`configs/general-chunk.yaml` does).", "",
+        f"Start a run from it with `compressor.memory.kind=chunk {_writer_settings(w)}"
+        f"compressor.memory.writer_from={dest}`.", "",
         "## How it was made", "",
         f"- Command: `{sessions[0]['command']}`"
         + (f", resumed {len(sessions) - 1} time(s)" if len(sessions) > 1 else "")
@@ -146,9 +152,6 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
                          "python -m ilcp.training.chunk_pretrain")
     meta = json.loads(state.read_text())
     settings = meta["writer"]
-    if settings.get("kind") == "sender":
-        raise ValueError(f"{run} trained the LM itself as its writer (--sender-layers): only the embedding writer "
-                         "ships as a chunk writer so far")
     cfg = ChunkPretrainConfig(**meta["config"])
     stages = earlier_stages(meta)
     weights = read_writer_state(run, settings)
@@ -156,7 +159,10 @@ def ship(run: Path, dest: Path, lm: LM, texts_per_set: int = 128, log=print) -> 
     if size > MAX_SHIPPED_BYTES:
         raise ValueError(f"the writer's weights take {size / 2**20:.1f} MiB, over the {MAX_SHIPPED_BYTES >> 20} MiB a "
                          "shipped writer may take")
-    writer = ChunkWriter(**settings).to(lm.device)
+    try:
+        writer = new_writer(settings, lm.model).to(lm.device)
+    except ValueError as e:
+        raise ValueError(f"{run}'s writer {e}") from None
     writer.load_state_dict(weights)
     writer.eval()
     log(f"[ship] reading {run}'s writer (step {meta['step']}) back on held-out texts")

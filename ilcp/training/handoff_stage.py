@@ -85,6 +85,7 @@ def make_memory_source(variant: str, cfg: HandoffConfig, lm: LM, encoder: ILCPEn
             encoder.freeze_encoder()
         encoder.configure_receiver(cfg.memory_placement, cfg.vocabulary_snap, cfg.snap_temperature, cfg.snap_metric)
         encoder.bind_vocabulary(lm.model.get_input_embeddings().weight)
+        encoder.bind_lm(lm.model)
         if cfg.format_from:
             encoder.format_prompt = FormatPrompt(format_vectors_from(cfg.format_from, lm, trained), trainable=False)
         elif cfg.format_vectors and encoder.format_prompt is None:

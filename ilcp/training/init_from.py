@@ -59,6 +59,7 @@ def pretrained_encoder(cfg: TrainConfig, lm: LM, max_length: int) -> ILCPEncoder
         raise ExportError(f"{where}: its encoder is not the one this run describes (this run: {ours}); set {fixes}, "
                           "or drop compressor.init_from")
     encoder = run.encoder
+    encoder.bind_lm(lm.model)
     if encoder.reads_sender_lm:
         encoder.bind_sender(lm.model, lm.tokenizer, max_length, cfg.data.pool_layers, grouped=cfg.trainer.length_groups)
     say(f"stage 1 (compressor): the encoder starts from {path} ({sum(p.numel() for p in encoder.parameters()):,} "
