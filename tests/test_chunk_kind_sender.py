@@ -89,6 +89,8 @@ def test_a_sender_writer_must_be_bound_and_fit_its_lm(sender_run, tiny_lm):
     other = SenderChunkWriter(writer.hidden_size, 4, [("model.layers.9.mlp.up_proj", 64, 128)], layers=1, rank=4)
     with pytest.raises(ValueError, match="do not fit this LM's top 1 decoder layers"):
         other.bind(tiny_lm.model)
+    with pytest.raises(ValueError, match="it needs the whole LM"):
+        writer.bind(torch.nn.Sequential(tiny_lm.model.get_input_embeddings()))
 
 
 def test_writer_settings_are_checked_in_one_line(tmp_path):

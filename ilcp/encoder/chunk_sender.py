@@ -123,10 +123,16 @@ class SenderChunkWriter(nn.Module):
     def bind(self, model: nn.Module) -> None:
         """Write with `model` from now on: the LM these adapters were trained for (same width, the
         adapted modules at these sizes in its top ``layers`` decoder layers); ValueError otherwise."""
+        try:
+            stack = decoder_layers(model)
+        except ValueError:
+            raise ValueError(f"this chunk writer is the LM itself (writer: sender): it needs the whole LM, and "
+                             f"{type(model).__name__} has no decoder layers (an LM of its embedding table alone "
+                             "cannot send with it)") from None
         hidden = int(model.get_input_embeddings().weight.shape[1])
         if hidden != self.hidden_size:
             raise ValueError(f"this chunk writer was trained for an LM of width {self.hidden_size}, not {hidden}")
-        if list(top_layer_modules(model, self.layers)) != list(self._adapted):
+        if self.layers > len(stack) or list(top_layer_modules(model, self.layers)) != list(self._adapted):
             raise ValueError(f"this chunk writer's adapters do not fit this LM's top {self.layers} decoder layers")
         self._model = (model,)
 
