@@ -1,6 +1,6 @@
 """Resume anywhere on the tiny config: a stage is done with all its files or redone; no temporary
-files left; changed settings refused (a raised step budget recorded); a failed start blocks
-nothing; --overwrite deletes only a run directory."""
+files left; changed settings refused (a raised step budget recorded); a finished run resumed keeps
+its earlier sessions' time; a failed start blocks nothing; --overwrite deletes only a run directory."""
 
 import json
 import shutil
@@ -44,6 +44,19 @@ def test_resume_with_changed_settings_is_refused_and_a_raised_budget_recorded(tm
     resumed = train(load_config(TINY, _base(tmp_path) + ["handoff.max_steps=6"]), lm=tiny_lm, resume=True)
     assert json.loads((run_dir / "resumes.json").read_text()) == [{"handoff.max_steps": [4, 6]}]
     assert resumed.metrics["variants"]["prompt_tuned"]["steps"] == 6
+
+
+def test_a_finished_run_resumed_keeps_its_earlier_sessions_time(tmp_path, tiny_lm):
+    first = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm).metrics
+    resumed = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True).metrics
+    written = json.loads((tmp_path / "tiny" / "metrics.json").read_text())
+    assert written == resumed and len(written["sessions"]) == 2
+    assert written["sessions"][0] == {"stage_seconds": first["stage_seconds"], "total_seconds": first["total_seconds"]}
+    assert written["total_seconds"] == pytest.approx(sum(s["total_seconds"] for s in written["sessions"]), abs=0.2)
+    for stage, seconds in first["stage_seconds"].items():  # the stages the resume reloaded keep their time
+        assert written["stage_seconds"][stage] >= seconds
+    again = train(load_config(TINY, _base(tmp_path)), lm=tiny_lm, resume=True).metrics
+    assert len(again["sessions"]) == 3 and again["sessions"][:2] == written["sessions"]
 
 
 def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, tiny_lm, monkeypatch):

@@ -15,7 +15,9 @@ Nothing is written before the settings, the run folder and the LM have been chec
 several devices every rank runs `train`; rank 0 alone prepares the run directory and writes
 files (`ilcp.training.distributed`).
 Each stage's wall time is recorded in metrics.json (``stage_seconds``: lm (loading it), data
-(task rows and the sender's states), compressor, reconstruct, every variant, export); ``on_stage_done(name)`` is called after each.
+(task rows and the sender's states), compressor, reconstruct, every variant, export; a finished
+run resumed adds its earlier sessions', listed in ``sessions``); ``on_stage_done(name)`` is called
+after each.
 """
 
 from __future__ import annotations
@@ -281,13 +283,42 @@ def _train(cfg: TrainConfig, resume: bool, lm: LM | None, procs: Processes, cloc
                                                 progress=cfg.trainer.progress)
             say(f"latent bound {encoder.latent_bound:.4g}: a receiver refuses a latent value beyond it"
                 if encoder.latent_bound is not None else "no latent bound: every latent of these rows is 0")
+        earlier = read_json_or_none(run_dir / "metrics.json") if resume else None  # a finished run resumed
         export_writing.export_run(cfg, lm, sources, metrics, precision=precision, max_length=max_length)
         clock.done("export")
         metrics["total_seconds"] = clock.total
+        metrics = with_earlier_sessions(metrics, earlier)
         atomic_write_json(run_dir / "metrics.json", metrics)  # not among the export's digests
     times = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in clock.seconds.items())
-    say(f"exported to {run_dir} in {metrics['total_seconds']:.0f}s total ({times})")
+    say(f"exported to {run_dir} in {clock.total:.0f}s total ({times})")
     return TrainResult(run_dir=run_dir, metrics=metrics, sources=sources)
+
+
+def read_json_or_none(path: Path) -> dict | None:
+    """A JSON mapping, or None where the file is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def with_earlier_sessions(metrics: dict, earlier: dict | None) -> dict:
+    """This session's metrics, with the earlier sessions' wall time of a finished run it resumed
+    (`earlier`, that run's metrics.json) added in: ``stage_seconds`` and ``total_seconds`` sum
+    every session, ``sessions`` lists each one's. A run resumed after an interruption starts from
+    its checkpoints alone: the interrupted session's time is not on record."""
+    if not earlier or not isinstance(earlier.get("stage_seconds"), dict):
+        return metrics
+    sessions = earlier.get("sessions") or [{"stage_seconds": earlier["stage_seconds"],
+                                            "total_seconds": earlier.get("total_seconds", 0)}]
+    sessions = [*sessions, {"stage_seconds": dict(metrics["stage_seconds"]), "total_seconds": metrics["total_seconds"]}]
+    stages: dict[str, float] = {}
+    for session in sessions:
+        for name, seconds in session["stage_seconds"].items():
+            stages[name] = round(stages.get(name, 0.0) + seconds, 1)
+    return {**metrics, "stage_seconds": stages, "sessions": sessions,
+            "total_seconds": round(sum(session["total_seconds"] for session in sessions), 1)}
 
 
 def training_order(cfg: TrainConfig) -> list[str]:
