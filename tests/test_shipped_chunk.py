@@ -66,3 +66,21 @@ def test_both_are_for_the_embedded_smollm2(smollm2):
     assert json.loads((WRITER / "config.json").read_text())["lm"]["fingerprint"] == smollm2.fingerprint
     assert json.loads((GENERAL / "config.json").read_text())["lm"]["fingerprint"] == smollm2.fingerprint
     assert json.loads((WINDOW / "config.json").read_text())["lm"]["fingerprint"] == smollm2.fingerprint
+
+
+def test_the_shipped_sender_writer_is_the_lm_with_adapters_on_its_top_8_layers():
+    folder = REPO / "pretrained" / "smollm2-chunk8-sender"
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 20 << 20
+    config = json.loads((folder / "config.json").read_text())
+    settings = config["writer"]
+    assert settings == {"kind": "sender", "hidden_size": 576, "chunk_tokens": 8, "layers": 8, "rank": 16}
+    weights = read_writer_state(folder, settings)  # the weights' sha256 and config.json's digest
+    layers = {int(k.split(".")[1].split("_")[0]) for k in weights if k.startswith("adapters.")}
+    assert layers == set(range(22, 30))  # SmolLM2-135M has 30 decoder layers
+    assert weights["memory_embedding"].shape == (576,) and weights["head.weight"].abs().sum() > 0
+    assert config["pretraining"]["steps"] >= 1500
+    one = {r["source"]: r for r in config["readback"] if r["vectors"] == 1 and r["memory"] == "chunk writer"}
+    none = {r["source"]: r for r in config["readback"] if r["vectors"] == 1 and r["memory"] == "no memory"}
+    assert all(one[s]["interval"][0] > none[s]["interval"][1] for s in one)  # one chunk: far above no memory
+    card = (folder / "README.md").read_text()
+    assert "the LM itself" in card and "compressor.memory.writer=sender" in card and "hours trained" in card

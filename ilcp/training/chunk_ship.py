@@ -75,6 +75,15 @@ def readback(writer: ChunkWriter, lm: LM, cfg: ChunkPretrainConfig, texts_per_se
     return rows
 
 
+def _threads(sessions: list[dict]) -> str:
+    """" (1 thread)" when every session recorded the same thread count, else ""."""
+    counts = {s.get("threads") for s in sessions}
+    if len(counts) != 1 or None in counts:
+        return ""
+    n = counts.pop()
+    return f" ({n} thread{'s' if n != 1 else ''})"
+
+
 def _writer_settings(w: dict) -> str:
     if w.get("kind") == "sender":
         return (f"compressor.memory.writer=sender compressor.memory.sender_layers={w['layers']} "
@@ -112,8 +121,8 @@ def card(config: dict, rows: list[dict], dest: str) -> str:
         f"chunk(s) (AdamW, lr {p['config']['lr']}"
         + (f"; {p['config']['continuation_tokens']} tokens of continuation" if p['config'].get('continuation_tokens')
            else "")
-        + f"), {p['seconds'] / 3600:.2f} hours trained on {sessions[0].get('machine', 'a CPU')} "
-        f"({sessions[0].get('conditions', '')}); {sessions[0]['date']}"
+        + f"), {p['seconds'] / 3600:.2f} hours trained on {sessions[0].get('machine', 'a CPU')}"
+        f"{_threads(sessions)}; {sessions[0]['date']}"
         + (f"; {sum(e['seconds'] for e in p['earlier_stages']) / 3600 + p['seconds'] / 3600:.2f} hours in all."
            if p.get("earlier_stages") else "."),
         "- Files: writer.safetensors (float32), config.json (settings, LM fingerprint, the weights' sha256, its own "
