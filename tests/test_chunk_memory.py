@@ -189,7 +189,8 @@ def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
 
 @pytest.mark.parametrize("config, tiny_flags", [("configs/chunk/pretrain.yaml", []),
                                                 ("configs/chunk/pretrain-gpu.yaml", []),
-                                                ("configs/chunk/sender.yaml", ["--sender-layers", "1"])])
+                                                ("configs/chunk/sender.yaml", ["--sender-layers", "1"]),
+                                                ("configs/chunk/sender-gpu.yaml", ["--sender-layers", "1"])])
 def test_the_shipped_recipes_run_at_tiny_size(config, tiny_flags, tmp_path, capsys):
     """Each recipe's settings are read as they stand; at the tiny LM's size on the CPU, two steps run."""
     from pathlib import Path
