@@ -108,7 +108,7 @@ def card(run: Path, out: Path, config: dict, train_config: dict, metrics: dict, 
         f"- Answers: `{d['task']}`, {d['train_size']} rows, held out of every stage: "
         f"{', '.join(d.get('heldout_tasks') or []) or 'none'}; {_steps(h)} "
         f"({', '.join(h['variants'])}), ilcp distilled from `{h.get('distill_teacher')}` "
-        f"(weight {h.get('distill_weight')}) plus the gold answers' cross-entropy.",
+        f"(weight {h.get('distill_weight')}) plus the gold answers' cross-entropy{_kept(metrics)}.",
         f"- Budget: {seconds / 60:.1f} minutes in all (compute precision {metrics.get('precision')}).",
         "- Files: config.json (its own digest, the weights' sha256), "
         f"{', '.join(sorted(set(config['files'].values())))}, train_config.yaml, metrics.json.", "",
@@ -127,6 +127,15 @@ def _steps(h: dict) -> str:
     own = h.get("cold_read_tuned_steps") or 0
     budget = f"{h['max_steps']} steps of batch {h['batch_size']} per variant"
     return f"{budget}, cold_read_tuned {own}" if own and "cold_read_tuned" in h["variants"] else budget
+
+
+def _kept(metrics: dict) -> str:
+    """Which of ilcp's checkpoints the export holds: the best validation exact match, and where."""
+    ilcp = (metrics.get("variants") or {}).get("ilcp") or {}
+    if ilcp.get("best_step") is None:
+        return ""
+    return (f"; the export holds ilcp at step {ilcp['best_step']} of {ilcp.get('steps')}, its best validation exact "
+            f"match ({ilcp.get('best_val_exact_match')}; ties keep the earlier step)")
 
 
 def _taken(results: dict) -> str:

@@ -44,6 +44,8 @@ def test_a_shipped_handoff_is_the_checked_export_with_its_evaluation_and_answers
     card = (out / "README.md").read_text()
     measured = json.loads(results.read_text())["tasks"]["babi:1"]["methods"]["ilcp"]["exact_match"]
     assert f"| babi:1 | {100 * measured:.1f}" in card and "python train.py --config configs/tiny.yaml" in card
+    ilcp = json.loads((run / "metrics.json").read_text())["variants"]["ilcp"]
+    assert f"the export holds ilcp at step {ilcp['best_step']} of {ilcp['steps']}" in card
     memory = ILCPHandoff.from_pretrained(out, lm=tiny_lm).open(
         ILCPHandoff.from_pretrained(out, lm=tiny_lm).send("Mary went to the garden.").to_bytes())
     assert isinstance(memory.ask("Where is Mary?", max_new_tokens=2), str)

@@ -84,3 +84,36 @@ def test_the_shipped_sender_writer_is_the_lm_with_adapters_on_its_top_8_layers()
     assert all(one[s]["interval"][0] > none[s]["interval"][1] for s in one)  # one chunk: far above no memory
     card = (folder / "README.md").read_text()
     assert "the LM itself" in card and "compressor.memory.writer=sender" in card and "hours trained" in card
+
+
+SENDER_WINDOW = REPO / "pretrained" / "smollm2-chunk8-sender-window"
+GENERAL_SENDER = REPO / "pretrained" / "smollm2-general-chunk8-sender"
+
+
+def test_the_sender_window_writer_counts_both_stages_and_the_general_sender_handoff_is_a_checked_export():
+    config = json.loads((SENDER_WINDOW / "config.json").read_text())
+    assert sum(p.stat().st_size for p in SENDER_WINDOW.iterdir()) < 20 << 20
+    read_writer_state(SENDER_WINDOW, config["writer"])
+    pre = config["pretraining"]
+    assert pre["steps"] >= 1500 and pre["config"]["window_chunks"] == 4 and pre["earlier_stages"][0]["steps"] >= 1500
+    assert sum(p.stat().st_size for p in GENERAL_SENDER.iterdir()) < 20 << 20
+    run = read_export(GENERAL_SENDER)  # schema, config.json's digest, the weights' sha256
+    pooling = run.config["pooling"]
+    assert pooling["kind"] == "chunk" and pooling["writer"] == "sender" and len(pooling["adapters"]) == 8 * 7
+    card = (GENERAL_SENDER / "README.md").read_text()
+    assert "pretrained/smollm2-chunk8-sender" in card and "| babi:16 (held out) |" in card
+    assert "the export holds ilcp at step" in card
+
+
+@pytest.mark.slow
+def test_the_general_sender_handoff_answers_with_no_training(smollm2):
+    from ilcp.handoff import ILCPHandoff
+
+    handoff = ILCPHandoff.from_pretrained(GENERAL_SENDER, lm=smollm2)
+    assert handoff.encoder.writer.model is smollm2.model  # the writer is the LM the handoff was given
+    story = "Mary moved to the bathroom. John went to the hallway. Mary travelled to the office."
+    payload = handoff.send(story)
+    ids = smollm2.tokenizer(story, add_special_tokens=False)["input_ids"]
+    assert tuple(payload.latent.shape) == (-(-len(ids) // 8), 576)
+    answer = handoff.open(payload.to_bytes()).ask("Where is John?")
+    assert isinstance(answer, str) and answer.strip()
