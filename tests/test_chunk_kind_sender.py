@@ -124,3 +124,6 @@ def test_an_untrained_sender_writer_starts_at_the_first_tokens_with_the_end_of_t
         torch.testing.assert_close(writer(table[chunks]), table[chunks[:, 0]].float())
     kind = ChunkMemory.from_encoder(encoder)
     assert kind.writer == "sender" and len(kind.adapters) == 7 and kind == encoder.memory_kind
+    deep = load_config(TINY_CONFIG, ["out_dir=/tmp/unused", *SENDER, "compressor.memory.sender_layers=3"])
+    with pytest.raises(ValueError, match=r"compressor.memory.sender_layers=3: .*the LM has 2 decoder layers"):
+        deep.compressor.memory.start(deep, tiny_lm, None)

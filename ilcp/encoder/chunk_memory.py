@@ -114,7 +114,11 @@ class ChunkMemory(MemoryKind):
         if self.lm_writes:  # the adapted modules, from this LM, recorded in config.json
             from .chunk_sender import top_layer_modules
 
-            kind = dataclasses.replace(self, adapters=tuple(top_layer_modules(lm.model, self.sender_layers)))
+            try:
+                modules = tuple(top_layer_modules(lm.model, self.sender_layers))
+            except ValueError as e:
+                raise ValueError(f"compressor.memory.sender_layers={self.sender_layers}: {e}") from None
+            kind = dataclasses.replace(self, adapters=modules)
         encoder = kind.encoder(vae, None, kind.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
         if self.lm_writes:
             writer = encoder.writer
