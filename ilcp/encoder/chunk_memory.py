@@ -104,27 +104,23 @@ class ChunkMemory(MemoryKind):
         there is no stage 1: nothing is fitted on cached states."""
         import dataclasses
 
-        import torch
-
         from ..training.log import say
-        from .chunk_sender import memory_token_id
 
         vae = self.load_latent(Path(self.latent_from), lm.hidden_size) if self.latent else None
-        kind = self
-        if self.lm_writes:  # the adapted modules, from this LM, recorded in config.json
-            from .chunk_sender import top_layer_modules
+        if self.lm_writes:  # a writer bound to this LM; the modules it adapts are recorded in config.json
+            from .chunk import ChunkPooler
+            from .chunk_sender import SenderChunkWriter, memory_token_id
 
-            try:
-                modules = tuple(top_layer_modules(lm.model, self.sender_layers))
+            table = lm.model.get_input_embeddings().weight
+            try:  # the memory token: the end-of-text token's embedding (writer_from's replaces it)
+                writer = SenderChunkWriter.for_model(lm.model, self.chunk_tokens, table[memory_token_id(lm.tokenizer)],
+                                                     layers=self.sender_layers, rank=self.sender_rank)
             except ValueError as e:
                 raise ValueError(f"compressor.memory.sender_layers={self.sender_layers}: {e}") from None
-            kind = dataclasses.replace(self, adapters=modules)
-        encoder = kind.encoder(vae, None, kind.pooler(lm.hidden_size, hidden_size=lm.hidden_size))
-        if self.lm_writes:
-            writer = encoder.writer
-            with torch.no_grad():  # the memory token: the end-of-text token (overwritten by writer_from's)
-                writer.memory_embedding.copy_(lm.model.get_input_embeddings().weight[memory_token_id(lm.tokenizer)])
-            encoder.bind_lm(lm.model)
+            kind, pooler = dataclasses.replace(self, adapters=writer.adapted_modules), ChunkPooler(writer)
+        else:
+            kind, pooler = self, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size)
+        encoder = kind.encoder(vae, None, pooler)
         if self.writer_from:
             self.load_writer(encoder, Path(self.writer_from), lm.fingerprint)
             say(f"stage 1 (compressor): chunk memory, the writer from {self.writer_from}"
