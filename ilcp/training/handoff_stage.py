@@ -59,6 +59,14 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def selection_score(exact_match: float, loss: float, decoded: int) -> float:
+    """The answer stage's measure of a validation, higher is better: its exact match over
+    `decoded` questions, a tie broken by the lower validation loss. The loss enters as
+    ``loss / (1 + loss) / decoded``, less than one question's share of exact match, so a
+    validation with more questions right always ranks first."""
+    return exact_match - loss / (1.0 + loss) / decoded
+
+
 def attach_projector(encoder: ILCPEncoder, cfg: HandoffConfig, lm: LM) -> ILCPEncoder:
     """Give a stage-1 encoder its untrained projector, calibrated so memory vectors start at the
     scale of the LM's token embeddings."""
@@ -147,6 +155,7 @@ class HandoffModule(L.LightningModule):
         self.lm = lm.model
         self.strict_loading = False  # checkpoints hold the trained modules only
         self._val_hits: list[tuple[int, bool]] = []
+        self._val_loss = torch.zeros(2)  # this validation's loss summed over rows, and its rows
         if isinstance(source, ILCPEncoder) and not source.encoder_frozen:
             # What this loss never reaches learns nothing here: frozen, so that no trainable
             # parameter goes without a gradient (which DDP refuses).
@@ -287,6 +296,7 @@ class HandoffModule(L.LightningModule):
             loss, _ = self._teacher_forced(batch)
             predictions = self.answer(batch, keep) if keep else []
         self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
+        self._val_loss += torch.tensor([float(loss) * len(batch["answer"]), len(batch["answer"])])
         self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answers"][i]))
                               for p, i in zip(predictions, keep))
 
@@ -299,9 +309,13 @@ class HandoffModule(L.LightningModule):
                 decoded[index], hits[index] = 1.0, float(hit)
             decoded, hits = reduce_sum(decoded) > 0, reduce_sum(hits) > 0
             if decoded.any():
-                self.log("val/exact_match", float(hits[decoded].sum() / decoded.sum()), prog_bar=True, sync_dist=True)
+                em = float(hits[decoded].sum() / decoded.sum())
+                total, rows = reduce_sum(self._val_loss.to(self.device)).tolist()
+                self.log("val/exact_match", em, prog_bar=True, sync_dist=True)
+                self.log("val/select", selection_score(em, total / rows, int(decoded.sum())), sync_dist=True)
         self.log("val/step", float(self.global_step), sync_dist=True)
         self._val_hits.clear()
+        self._val_loss.zero_()
 
     @torch.no_grad()
     def _loss_and_answers(self, batch: dict) -> tuple[Tensor, list[str]]:
@@ -377,7 +391,7 @@ def train_variant(cfg: TrainConfig, variant: str, lm: LM, data: HandoffDataModul
     frozen = "the LM and the encoder parts this loss does not reach" if kind.reads_encoder else "the LM"
     say(f"stage 2 ({variant}): {tr:,} trainable parameters, {fr:,} frozen ({frozen}); "
         f"{budget} steps of batch {h.batch_size}")
-    steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/exact_match", mode="max",
+    steps, seconds, curve, best = fit_stage(cfg, variant, module, data, resume, monitor="val/select", mode="max",
                                             max_steps=budget, val_every_steps=h.val_every_steps,
                                             start=source if h.validate_start else None)
     metrics = {
