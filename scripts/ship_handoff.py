@@ -134,8 +134,11 @@ def _kept(metrics: dict) -> str:
     ilcp = (metrics.get("variants") or {}).get("ilcp") or {}
     if ilcp.get("best_step") is None:
         return ""
+    # runs that log val/select broke a tie by the lower validation loss; earlier runs kept the earlier step
+    tie = ("a tie goes to the lower validation loss" if any("val/select" in r for r in ilcp.get("curve") or [])
+           else "ties keep the earlier step")
     return (f"; the export holds ilcp at step {ilcp['best_step']} of {ilcp.get('steps')}, its best validation exact "
-            f"match ({ilcp.get('best_val_exact_match')}; ties keep the earlier step)")
+            f"match ({ilcp.get('best_val_exact_match')}; {tie})")
 
 
 def _taken(results: dict) -> str:
@@ -159,10 +162,12 @@ def summary(results: dict) -> str:
     for label, names in groups.items():
         if not names:
             continue
-        means = {m: sum((results["tasks"][t]["methods"].get(m) or {}).get("exact_match", 0.0) for t in names)
-                 / len(names) for m in METHODS}
-        parts.append(f"{label} ({len(names)}), mean exact match: ilcp {100 * means['ilcp']:.1f}, cold_read_tuned "
-                     f"{100 * means['cold_read_tuned']:.1f}, prompt_tuned {100 * means['prompt_tuned']:.1f}")
+        means = {}
+        for m in METHODS:  # a method not measured on every task of the group has no mean
+            rows = [(results["tasks"][t]["methods"].get(m) or {}).get("exact_match") for t in names]
+            means[m] = "-" if None in rows else f"{100 * sum(rows) / len(rows):.1f}"
+        parts.append(f"{label} ({len(names)}), mean exact match: "
+                     + ", ".join(f"{m} {means[m]}" for m in METHODS))
     return "; ".join(parts) + "."
 
 

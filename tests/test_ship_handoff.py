@@ -91,3 +91,20 @@ def test_baselines_from_another_evaluation_of_the_same_questions_fill_the_card(e
                               "--out", str(tmp_path / "new")]) == 2
     assert "did not ask babi:1's 4 questions (3 questions)" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_the_cards_means_leave_out_a_method_not_measured_and_name_the_tie_rule():
+    results = {"run": {"heldout_tasks": ["babi:2"]}, "tasks": {
+        "babi:1": {"methods": {"ilcp": {"exact_match": 0.5}, "cold_read_tuned": {"exact_match": 0.25}}},
+        "babi:2": {"methods": {"ilcp": {"exact_match": 0.1}, "cold_read_tuned": {"exact_match": 0.2},
+                               "prompt_tuned": {"exact_match": 0.0}}}}}
+    line = ship_handoff.summary(results)
+    assert "trained bAbI tasks (1), mean exact match: ilcp 50.0, cold_read_tuned 25.0, prompt_tuned -" in line
+    assert "held-out tasks (1), mean exact match: ilcp 10.0, cold_read_tuned 20.0, prompt_tuned 0.0" in line
+    curve = [{"step": 60, "val/exact_match": 0.25, "val/loss": 2.0}, {"step": 120, "val/exact_match": 0.25,
+                                                                        "val/loss": 1.5}]
+    earlier = {"variants": {"ilcp": {"best_step": 60, "steps": 120, "best_val_exact_match": 0.25, "curve": curve}}}
+    assert "ties keep the earlier step" in ship_handoff._kept(earlier)
+    selected = [{**r, "val/select": r["val/exact_match"] - r["val/loss"] / (1 + r["val/loss"]) / 64} for r in curve]
+    now = {"variants": {"ilcp": {"best_step": 120, "steps": 120, "best_val_exact_match": 0.25, "curve": selected}}}
+    assert "a tie goes to the lower validation loss" in ship_handoff._kept(now)

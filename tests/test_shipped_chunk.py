@@ -105,6 +105,19 @@ def test_the_sender_window_writer_counts_both_stages_and_the_general_sender_hand
     assert "the export holds ilcp at step" in card
 
 
+GENERAL_SENDER_WINDOW = REPO / "pretrained" / "smollm2-general-chunk8-sender-window"
+
+
+def test_the_general_handoff_on_the_window_stage_sender_writer_is_a_checked_export_with_its_card():
+    assert sum(p.stat().st_size for p in GENERAL_SENDER_WINDOW.iterdir()) < 20 << 20
+    run = read_export(GENERAL_SENDER_WINDOW)
+    pooling = run.config["pooling"]
+    assert pooling["kind"] == "chunk" and pooling["writer"] == "sender" and len(pooling["adapters"]) == 8 * 7
+    card = (GENERAL_SENDER_WINDOW / "README.md").read_text()
+    assert "compressor.memory.writer_from=pretrained/smollm2-chunk8-sender-window" in card
+    assert "| babi:11 (held out) |" in card and "prompt_tuned -" not in card  # every baseline row measured
+
+
 @pytest.mark.slow
 def test_the_general_sender_handoff_answers_with_no_training(smollm2):
     from ilcp.handoff import ILCPHandoff
