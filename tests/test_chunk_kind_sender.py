@@ -127,3 +127,31 @@ def test_an_untrained_sender_writer_starts_at_the_first_tokens_with_the_end_of_t
     deep = load_config(TINY_CONFIG, ["out_dir=/tmp/unused", *SENDER, "compressor.memory.sender_layers=3"])
     with pytest.raises(ValueError, match=r"compressor.memory.sender_layers=3: .*the LM has 2 decoder layers"):
         deep.compressor.memory.start(deep, tiny_lm, None)
+
+
+def test_a_latent_over_the_sender_writer_crosses_the_wire_and_loads_onto_a_fresh_lm(sender_run, tiny_lm):
+    """compressor.memory.latent with writer sender: the VAE fitted over the sender pretraining
+    (ilcp.training.chunk_latent) narrows each chunk's vector; the export binds the writer to a
+    fresh LM and sends `latent` floats a chunk."""
+    from ilcp.encoder.chunk import ChunkVAE
+    from ilcp.training import train
+    from ilcp.training.chunk_latent import ChunkLatentConfig, train_latent
+
+    out, _ = sender_run
+    train_latent(out / "z8", tiny_lm, out / "pretrained",
+                 ChunkLatentConfig(latent=8, hidden=32, steps=2, batch_chunks=8, eval_every=2, heldout_chunks=4,
+                                   babi_stories=10), log=lambda _m: None)
+    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *SENDER, "run_name=latent",
+                                    f"compressor.memory.writer_from={out / 'pretrained'}",
+                                    "compressor.memory.latent=8", f"compressor.memory.latent_from={out / 'z8'}"])
+    run = train(cfg, lm=tiny_lm).run_dir
+    config = json.loads((run / "config.json").read_text())
+    assert config["pooling"]["writer"] == "sender" and config["pooling"]["latent"] == 8
+    fresh = copy.deepcopy(tiny_lm)
+    handoff = ILCPHandoff.from_pretrained(run, lm=fresh)
+    assert isinstance(handoff.encoder.vae, ChunkVAE) and handoff.encoder.writer.model is fresh.model
+    n_tokens = len(fresh.tokenizer(CONTEXT, add_special_tokens=False)["input_ids"])
+    payload = handoff.send(CONTEXT)
+    assert tuple(payload.latent.shape) == (-(-n_tokens // 4), 8)
+    torch.testing.assert_close(handoff.send(BEFORE + CONTEXT).latent[2:], payload.latent, atol=1e-5, rtol=1e-4)
+    assert isinstance(handoff.open(payload.to_bytes()).ask("Where is Mary?", max_new_tokens=3), str)
