@@ -28,10 +28,10 @@ def test_the_kept_step_is_the_best_exact_match_then_the_lowest_loss(tmp_path, ti
     curve = metrics["curve"]
     assert [row["step"] for row in curve] == [2, 4, 6]
     for row in curve:  # configs/tiny.yaml decodes 4 validation questions
-        assert row["val/select"] == pytest.approx(selection_score(row["val/exact_match"], row["val/loss"], 4),
+        assert row["val/select"] == pytest.approx(selection_score(row["val/exact_match"], row["val/answer_ce"], 4),
                                                   abs=1e-6)
     best_em = max(row["val/exact_match"] for row in curve)
     tied = [row for row in curve if row["val/exact_match"] == best_em]
-    expected = min(tied, key=lambda row: row["val/loss"])
+    expected = min(tied, key=lambda row: row["val/answer_ce"])
     assert metrics["best_step"] == expected["step"]
     assert metrics["best_val_exact_match"] == best_em

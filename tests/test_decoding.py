@@ -102,14 +102,16 @@ def test_one_prefill_gives_the_teacher_forced_loss_and_the_greedy_answers(sharp)
     assert answers == greedy_decode(model, tok, prefixes, max_new_tokens=6, batch_size=5)
     # the reference loss: each row alone, its whole sequence, no padding, no cache
     table = model.get_input_embeddings()
-    logp, n = 0.0, 0
+    rows, n = [], 0
     with torch.no_grad():
         for prefix, target in zip(prefixes, targets):
             x = torch.cat([prefix, table(torch.tensor(target))])[None]
             logits = model(inputs_embeds=x, use_cache=False).logits[0, prefix.shape[0] - 1:-1]
-            logp += float(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
+            rows.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum")))
             n += len(target)
-    assert float(loss) == pytest.approx(logp / n, rel=1e-4)
+    assert float(loss) == pytest.approx(sum(rows) / n, rel=1e-4)
+    per_row, same = answer_loss_and_greedy(model, tok, prefixes, targets, max_new_tokens=6, per_row=True)
+    assert same == answers and per_row.tolist() == pytest.approx(rows, rel=1e-4)  # each row's summed loss
     with pytest.raises(ValueError, match="one non-empty list of target ids per prefix"):
         answer_loss_and_greedy(model, tok, prefixes, targets[:2])
 

@@ -61,9 +61,13 @@ def test_two_processes_write_one_complete_loadable_run(two_process_run, tiny_lm)
 
 
 def test_two_processes_train_what_one_device_trains(two_process_run, tiny_run, tiny_lm):
-    """The same global batches: the soft prompts match one device's to float precision (they moved
-    by more than 1e-3 from their start). Validation losses differ only in how the batch means are
-    averaged (measured: 3e-3) and stage 1 only in its VAE noise (measured: val/loss 5e-3)."""
+    """The same global batches: both keep the same step, and the soft prompts match one device's
+    to within what float order moves four AdamW steps (a near-zero gradient's sign can flip, and
+    AdamW's normalised step is then lr either way: measured 1.8e-4 at most, 2e-5 on average, where
+    the prompts moved more than 1e-3 from their start). The decoded questions' answer
+    cross-entropy, which breaks a tie in exact match, is the same on both (each row counted once);
+    the validation loss differs only in how the batch means are averaged (measured: 3e-3) and
+    stage 1 only in its VAE noise (measured: val/loss 5e-3)."""
     run_dir, _ = two_process_run
     one, two = tiny_run.result.metrics, json.loads((run_dir / "metrics.json").read_text())
     for name in ("prompt_tuned", "cold_read_tuned"):
@@ -71,7 +75,11 @@ def test_two_processes_train_what_one_device_trains(two_process_run, tiny_run, t
         ref = load_file(str(tiny_run.run_dir / f"{name}.safetensors"))["soft_prompt"]
         got = load_file(str(run_dir / f"{name}.safetensors"))["soft_prompt"]
         assert (ref - start).abs().max() > 1e-3
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        assert two["variants"][name]["best_step"] == one["variants"][name]["best_step"]
+        torch.testing.assert_close(got, ref, atol=5e-4, rtol=0)
+        assert float((got - ref).abs().mean()) < 1e-4
+        for a, b in zip(one["variants"][name]["curve"], two["variants"][name]["curve"]):
+            assert b["val/answer_ce"] == pytest.approx(a["val/answer_ce"], abs=1e-4)
     for variant in ("ilcp", "prompt_tuned", "cold_read_tuned"):
         assert two["variants"][variant]["final_val_loss"] == pytest.approx(one["variants"][variant]["final_val_loss"],
                                                                            abs=0.01)

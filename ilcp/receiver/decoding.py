@@ -269,6 +269,7 @@ def answer_loss_and_greedy(
     *,
     max_new_tokens: int = 8,
     stop_at_newline: bool = False,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, list[str]]:
     """Both validation numbers of a batch from one prefill: the teacher-forced cross-entropy of
     ``targets`` after their prefixes, and the greedy answers of the same prefixes.
@@ -283,7 +284,8 @@ def answer_loss_and_greedy(
         targets: the token ids expected after each prefix (the answer and its end token).
 
     Returns:
-        (the mean cross-entropy over every target token, a float32 scalar; the answers as
+        (the mean cross-entropy over every target token, a float32 scalar, or with ``per_row``
+        each row's cross-entropy summed over its target tokens, shape (B,); the answers as
         `greedy_decode` returns them).
     """
     if isinstance(prefixes, torch.Tensor) or not isinstance(prefixes, Sequence):
@@ -317,7 +319,9 @@ def answer_loss_and_greedy(
             **compat.logits_to_keep_kwargs(model, n_targets + 1),
         )
         logits = out.logits[:, :n_targets].float()  # position width - 1 + j predicts target j
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        token_ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                   reduction="none").view(batch, n_targets)  # 0 where labels are -100
+        loss = token_ce.sum(dim=1) if per_row else token_ce.sum() / (labels != -100).sum()
         cache = compat.output_cache(out)
         compat.crop_cache(cache, width)
         first = logits[:, 0].argmax(dim=-1)

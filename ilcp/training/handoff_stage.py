@@ -61,9 +61,10 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
 
 def selection_score(exact_match: float, loss: float, decoded: int) -> float:
     """The answer stage's measure of a validation, higher is better: its exact match over
-    `decoded` questions, a tie broken by the lower validation loss. The loss enters as
-    ``loss / (1 + loss) / decoded``, less than one question's share of exact match, so a
-    validation with more questions right always ranks first."""
+    `decoded` questions, a tie broken by the lower loss (the decoded questions' answer
+    cross-entropy, ``val/answer_ce``). The loss enters as ``loss / (1 + loss) / decoded``, less
+    than one question's share of exact match, so a validation with more questions right always
+    ranks first."""
     return exact_match - loss / (1.0 + loss) / decoded
 
 
@@ -154,8 +155,7 @@ class HandoffModule(L.LightningModule):
         self.selected = selected
         self.lm = lm.model
         self.strict_loading = False  # checkpoints hold the trained modules only
-        self._val_hits: list[tuple[int, bool]] = []
-        self._val_loss = torch.zeros(2)  # this validation's loss summed over rows, and its rows
+        self._val_hits: list[tuple[int, bool, float, int]] = []  # (row, hit, answer CE summed, answer tokens)
         if isinstance(source, ILCPEncoder) and not source.encoder_frozen:
             # What this loss never reaches learns nothing here: frozen, so that no trainable
             # parameter goes without a gradient (which DDP refuses).
@@ -291,52 +291,59 @@ class HandoffModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         keep = [i for i, idx in enumerate(batch["index"].tolist()) if idx < self.val_decode_size]
         if keep and len(keep) == len(batch["answer"]):
-            loss, predictions = self._loss_and_answers(batch)  # one prefill for both
+            loss, predictions, row_ce = self._loss_and_answers(batch)  # one prefill for both
         else:
             loss, _ = self._teacher_forced(batch)
-            predictions = self.answer(batch, keep) if keep else []
+            _, predictions, row_ce = self._loss_and_answers(batch, keep) if keep else (None, [], [])
         self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["answer"]), sync_dist=True)
-        self._val_loss += torch.tensor([float(loss) * len(batch["answer"]), len(batch["answer"])])
-        self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answers"][i]))
-                              for p, i in zip(predictions, keep))
+        self._val_hits.extend((int(batch["index"][i]), exact_match(p, batch["answers"][i]), *ce)
+                              for p, i, ce in zip(predictions, keep, row_ce))
 
     def on_validation_epoch_end(self):
         if self.val_decode_size > 0:
-            # each decoded row once, whichever rank decoded it (a short last batch repeats rows)
-            decoded = torch.zeros(self.val_decode_size, device=self.device)
-            hits = torch.zeros(self.val_decode_size, device=self.device)
-            for index, hit in self._val_hits:
-                decoded[index], hits[index] = 1.0, float(hit)
-            decoded, hits = reduce_sum(decoded) > 0, reduce_sum(hits) > 0
+            # each decoded row once, whichever rank decoded it: a row a short last batch repeats
+            # counts once, so that two devices measure what one does
+            seen = torch.zeros(self.val_decode_size, device=self.device)
+            rows = torch.zeros(3, self.val_decode_size, device=self.device)  # hit, answer CE, answer tokens
+            for index, hit, ce, tokens in self._val_hits:
+                seen[index] += 1.0
+                rows[:, index] += torch.tensor([float(hit), ce, tokens], device=self.device)
+            seen = reduce_sum(seen)
+            decoded = seen > 0
             if decoded.any():
-                em = float(hits[decoded].sum() / decoded.sum())
-                total, rows = reduce_sum(self._val_loss.to(self.device)).tolist()
+                hit, ce, tokens = (reduce_sum(rows)[:, decoded] / seen[decoded]).sum(dim=1).tolist()
+                em, n = hit / int(decoded.sum()), int(decoded.sum())
                 self.log("val/exact_match", em, prog_bar=True, sync_dist=True)
-                self.log("val/select", selection_score(em, total / rows, int(decoded.sum())), sync_dist=True)
+                self.log("val/answer_ce", ce / tokens, sync_dist=True)
+                self.log("val/select", selection_score(em, ce / tokens, n), sync_dist=True)
         self.log("val/step", float(self.global_step), sync_dist=True)
         self._val_hits.clear()
-        self._val_loss.zero_()
 
     @torch.no_grad()
-    def _loss_and_answers(self, batch: dict) -> tuple[Tensor, list[str]]:
-        """The teacher-forced answer loss and the greedy answers of a batch, from one prefill of
-        its receiver prefixes (`ilcp.receiver.decoding.answer_loss_and_greedy`) per group of
-        similar lengths (`length_groups`); the loss is the mean over every answer token."""
+    def _loss_and_answers(self, batch: dict, rows: list[int] | None = None
+                          ) -> tuple[Tensor, list[str], list[tuple[float, int]]]:
+        """The teacher-forced answer loss and the greedy answers of a batch's `rows` (default all),
+        from one prefill of their receiver prefixes (`ilcp.receiver.decoding.answer_loss_and_greedy`)
+        per group of similar lengths (`length_groups`): (the mean over every answer token, the
+        answers, each row's (summed answer cross-entropy, answer tokens))."""
+        rows = list(range(len(batch["question"]))) if rows is None else rows
         memory, _ = self.memory(batch)
         with_context = self.source.reads_context_text
         prefixes, targets = [], []
-        for i, (context, question, answer) in enumerate(zip(batch["context"], batch["question"], batch["answer"])):
-            prefixes.append(self.prefix(memory[i], context, question, with_context).embeds(self.lm))
-            targets.append(self.tokenizer(prompts.answer_text(answer, self.tokenizer),
+        for i in rows:
+            prefixes.append(self.prefix(memory[i], batch["context"][i], batch["question"][i], with_context)
+                            .embeds(self.lm))
+            targets.append(self.tokenizer(prompts.answer_text(batch["answer"][i], self.tokenizer),
                                           add_special_tokens=False)["input_ids"])
-        total, answers = 0.0, [""] * len(prefixes)
+        answers, row_ce = [""] * len(prefixes), [(0.0, 0)] * len(prefixes)
         for group in forward_groups([len(p) for p in prefixes], self.grouped):
-            loss, said = answer_loss_and_greedy(self.lm, self.tokenizer, [prefixes[i] for i in group],
-                                                [targets[i] for i in group], max_new_tokens=self.cfg.max_new_tokens)
-            total = total + loss * sum(len(targets[i]) for i in group)
-            for i, text in zip(group, said):
-                answers[i] = text
-        return total / sum(len(t) for t in targets), answers
+            sums, said = answer_loss_and_greedy(self.lm, self.tokenizer, [prefixes[i] for i in group],
+                                                [targets[i] for i in group], max_new_tokens=self.cfg.max_new_tokens,
+                                                per_row=True)
+            for i, text, ce in zip(group, said, sums.tolist()):
+                answers[i], row_ce[i] = text, (ce, len(targets[i]))
+        loss = torch.tensor(sum(ce for ce, _ in row_ce) / sum(n for _, n in row_ce), device=self.device)
+        return loss, answers, row_ce
 
     @torch.no_grad()
     def answer(self, batch: dict, rows: list[int] | None = None) -> list[str]:
