@@ -130,3 +130,12 @@ def test_the_general_sender_handoff_answers_with_no_training(smollm2):
     assert tuple(payload.latent.shape) == (-(-len(ids) // 8), 576)
     answer = handoff.open(payload.to_bytes()).ask("Where is John?")
     assert isinstance(answer, str) and answer.strip()
+
+
+def test_the_sender_latent_recipe_narrows_the_shipped_sender_writer(tmp_path):
+    cfg = load_config(REPO / "configs" / "general-chunk-sender-latent.yaml", [f"out_dir={tmp_path}"])
+    memory = cfg.compressor.memory
+    assert memory.writer == "sender" and memory.sender_layers == 8 and memory.sender_rank == 16
+    assert (REPO / memory.writer_from).resolve() == (REPO / "pretrained" / "smollm2-chunk8-sender").resolve()
+    assert memory.latent == 128 and memory.latent_from == "checkpoints/chunk-c8s-z128"
+    assert cfg.data.heldout_tasks == ["babi:2", "babi:11", "babi:16"] and cfg.handoff.finetune_encoder
