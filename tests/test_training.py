@@ -227,8 +227,12 @@ def test_rows_of_very_different_lengths_run_apart_with_the_loss_and_gradients_of
     expected.backward()
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped_grad, source.soft_prompt.grad, rtol=1e-4, atol=1e-6)
-    val_loss, answers = module._loss_and_answers(batch)
+    val_loss, answers, row_ce = module._loss_and_answers(batch)
     torch.testing.assert_close(val_loss, expected.detach(), rtol=1e-5, atol=1e-5)
+    assert sum(ce for ce, _ in row_ce) / sum(n for _, n in row_ce) == pytest.approx(float(val_loss), rel=1e-5)
+    _, some, some_ce = module._loss_and_answers(batch, [1, 3])  # a batch's decoded rows alone
+    assert some == [answers[1], answers[3]] and [n for _, n in some_ce] == [row_ce[1][1], row_ce[3][1]]
+    assert [ce for ce, _ in some_ce] == pytest.approx([row_ce[1][0], row_ce[3][0]], rel=1e-4)
     assert answers == [module.answer({k: [v[i]] for k, v in batch.items()})[0] for i in range(4)]
 
 
