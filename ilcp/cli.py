@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import load_config, settings_help
+from .config import is_chunk_recipe, load_config, settings_help
 from .eval_config import EvalConfig
 from .names import (DEFAULT_FACTS_COUNTS, DEFAULT_LATENCY_N, DEFAULT_LENGTHS, DEFAULT_LIMIT, DEFAULT_METHODS,
                     DEFAULT_THROUGHPUT_N, ENGINES, EVAL_SPLITS, METHOD_FAMILIES, METHOD_GROUPS, METHODS, PAYLOAD_DTYPES, PRECISIONS,
@@ -34,6 +34,7 @@ TRAIN_HELP = """Train the ILCP compressor and projector (and the two tuned basel
     ilcp-train --config configs/tiny.yaml             # tiny random LM, seconds
     ilcp-train handoff.max_steps=50 run_name=short    # key=value overrides
     ilcp-train --resume                               # continue an interrupted run
+    ilcp-train --config configs/pretrain-gpu.yaml     # the chunk memory's pretraining on text (flat keys)
 
 Defaults, then the YAML file, then the overrides; the run is written to checkpoints/RUN_NAME."""
 _EVAL_HELP = """Compare the handoff methods of a trained run: accuracy, payload bytes and latency, with plots.
@@ -138,15 +139,17 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue the run from its last checkpoints")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
-    parser.add_argument("--discard-last", action="store_true",
-                        help="with --resume: start the unfinished stages again instead of from their last.ckpt "
-                             "(for a checkpoint a kill left unreadable)")
+    parser.add_argument("--discard-last", action="store_true", help="with --resume: start the unfinished stages "
+                        "again instead of from their last.ckpt (for a checkpoint a kill left unreadable)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. handoff.max_steps=50")
     args = parser.parse_intermixed_args(argv)
     if args.discard_last and not args.resume:
         parser.error("--discard-last goes with --resume: it starts a resumed run's unfinished stages again")
     if args.config and Path(args.config).is_dir():
         parser.error(f"--config {args.config!r} is a directory: pass a YAML file such as configs/tiny.yaml")
+    if is_chunk_recipe(args.config):  # configs/pretrain-gpu.yaml: a chunk pretraining on text alone, its own loop
+        from .training.chunk_run import train_recipe
+        return train_recipe(args.config, args.overrides, resume=args.resume, overwrite=args.overwrite)
     try:
         cfg = load_config(args.config, args.overrides)
     except yaml.YAMLError as e:

@@ -274,3 +274,16 @@ def settings_help() -> str:
         lines.append(textwrap.fill(text, width=100, initial_indent=f"  {key}: ", subsequent_indent="      ",
                                    break_on_hyphens=False))
     return "\n".join(lines)
+
+
+def is_chunk_recipe(path: str | None) -> bool:
+    """Whether a YAML file is a chunk pretraining recipe (its top level names ``chunk_tokens``), which
+    ``python train.py --config FILE`` runs as `ilcp.training.chunk_run.train_recipe` instead of the
+    handoff pipeline."""
+    if not path or not Path(path).is_file():
+        return False
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and "chunk_tokens" in loaded

@@ -190,7 +190,7 @@ def test_the_chunk_encoder_sends_each_chunks_written_vector(tiny):
 @pytest.mark.parametrize("config, tiny_flags", [("configs/chunk/pretrain.yaml", []),
                                                 ("configs/chunk/pretrain-gpu.yaml", []),
                                                 ("configs/chunk/sender.yaml", ["--sender-layers", "1"]),
-                                                ("configs/chunk/sender-gpu.yaml", ["--sender-layers", "1"])])
+                                                ("configs/pretrain-gpu.yaml", ["--sender-layers", "1"])])
 def test_the_shipped_recipes_run_at_tiny_size(config, tiny_flags, tmp_path, capsys):
     """Each recipe's settings are read as they stand; at the tiny LM's size on the CPU, two steps run."""
     from pathlib import Path
@@ -205,6 +205,35 @@ def test_the_shipped_recipes_run_at_tiny_size(config, tiny_flags, tmp_path, caps
                  "--inner", "16", "--babi-stories", "10", *tiny_flags])
     assert code == 0
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "curve.jsonl").read_text().splitlines()] == [0, 2]
+
+
+def test_train_py_runs_a_chunk_recipe_into_checkpoints_run_name(tmp_path, capsys):
+    """`python train.py --config configs/pretrain-gpu.yaml key=value ...` is the chunk pretraining of that file:
+    flat overrides, the folder out_dir/run_name (the file's name by default), --resume going on with the curve,
+    and a wrong key or a bare word one line with exit code 2."""
+    from pathlib import Path
+
+    from ilcp.cli import train_main
+
+    recipe = str(Path(__file__).resolve().parent.parent / "configs" / "pretrain-gpu.yaml")
+    tiny = ["lm=tiny-qwen3", "device=cpu", "dtype=float32", "eval_every=2", "heldout_chunks=4", "width=8",
+            "inner=16", "babi_stories=10", "sender_layers=1", f"out_dir={tmp_path}"]
+    assert train_main(["--config", recipe, *tiny, "steps=2"]) == 0
+    curve = tmp_path / "pretrain-gpu" / "curve.jsonl"
+    assert [json.loads(line)["step"] for line in curve.read_text().splitlines()] == [0, 2]
+    assert train_main(["--config", recipe, *tiny, "steps=2"]) == 2  # a run is there: --resume or another name
+    assert "holds a chunk pretraining; pass --resume" in capsys.readouterr().err
+    assert train_main(["--config", recipe, "--resume", *tiny, "steps=4"]) == 0
+    assert [json.loads(line)["step"] for line in curve.read_text().splitlines()] == [0, 2, 4]
+    assert train_main(["--config", recipe, *tiny, "steps=2", "run_name=other"]) == 0
+    assert (tmp_path / "other" / "curve.jsonl").is_file()
+    capsys.readouterr()
+    assert train_main(["--config", recipe, *tiny, "stepz=2"]) == 2
+    assert "unknown chunk pretraining setting(s) stepz" in capsys.readouterr().err
+    assert train_main(["--config", recipe, *tiny, "steps"]) == 2
+    assert "override 'steps' is not key=value" in capsys.readouterr().err
+    assert train_main(["--config", recipe, *tiny, "steps=-1"]) == 2
+    assert "steps must be an integer >= 0, got -1" in capsys.readouterr().err
 
 
 def test_bad_chunk_settings_are_one_line(tmp_path, capsys):

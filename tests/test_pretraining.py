@@ -1,7 +1,7 @@
 """The memory pretraining: `configs/pretrain.yaml` trains memory slots on text alone and exports
 the encoder without an answer stage (``handoff.max_steps: 0``), a file `compressor.init_from`
 starts a run from; its latent-bound pass says how far it is; its memory does not grow with the
-corpus; `configs/pretrain-gpu.yaml` is the same recipe at 50 times the steps and runs."""
+corpus; `configs/pretrain-slots-gpu.yaml` is the same recipe at 50 times the steps and runs."""
 
 import json
 import sys
@@ -20,7 +20,7 @@ from ilcp.training import data as training_data
 from ilcp.training.data import latent_bound
 
 REPO = Path(__file__).resolve().parent.parent
-PRETRAIN, GPU = REPO / "configs" / "pretrain.yaml", REPO / "configs" / "pretrain-gpu.yaml"
+PRETRAIN, GPU = REPO / "configs" / "pretrain.yaml", REPO / "configs" / "pretrain-slots-gpu.yaml"
 TINY = ["lm.spec=tiny-qwen3", "data.train_size=26", "data.val_size=13", "compressor.hidden_dim=32",
         "compressor.latent_dim=8", "compressor.memory.adapter_rank=2", "reconstruct.steps=4",
         "reconstruct.val_every_steps=2", "reconstruct.texts_per_source=8", "reconstruct.max_target_tokens=16",
