@@ -129,27 +129,32 @@ def test_an_untrained_sender_writer_starts_at_the_first_tokens_with_the_end_of_t
         deep.compressor.memory.start(deep, tiny_lm, None)
 
 
-def test_a_latent_over_the_sender_writer_crosses_the_wire_and_loads_onto_a_fresh_lm(sender_run, tiny_lm):
+@pytest.mark.parametrize("linear", [False, True], ids=["mlp-vae", "linear-vae"])
+def test_a_latent_over_the_sender_writer_crosses_the_wire_and_loads_onto_a_fresh_lm(sender_run, tiny_lm, linear):
     """compressor.memory.latent with writer sender: the VAE fitted over the sender pretraining
     (ilcp.training.chunk_latent) narrows each chunk's vector; the export binds the writer to a
-    fresh LM and sends `latent` floats a chunk."""
+    fresh LM and sends `latent` floats a chunk. A linear VAE's form is recorded from its run
+    (config.json's latent_linear) and rebuilt so on load."""
     from ilcp.encoder.chunk import ChunkVAE
     from ilcp.training import train
     from ilcp.training.chunk_latent import ChunkLatentConfig, train_latent
 
     out, _ = sender_run
-    train_latent(out / "z8", tiny_lm, out / "pretrained",
-                 ChunkLatentConfig(latent=8, hidden=32, steps=2, batch_chunks=8, eval_every=2, heldout_chunks=4,
+    fit = out / f"z8-{'linear' if linear else 'mlp'}"
+    train_latent(fit, tiny_lm, out / "pretrained",
+                 ChunkLatentConfig(latent=8, hidden=32, steps=2, batch_chunks=8, eval_every=2, heldout_chunks=4, linear=linear,
                                    babi_stories=10), log=lambda _m: None)
-    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *SENDER, "run_name=latent",
+    cfg = load_config(TINY_CONFIG, [f"out_dir={out}", f"lm.cache_dir={out / 'cache'}", *SENDER, f"run_name=latent-{fit.name}",
                                     f"compressor.memory.writer_from={out / 'pretrained'}",
-                                    "compressor.memory.latent=8", f"compressor.memory.latent_from={out / 'z8'}"])
+                                    "compressor.memory.latent=8", f"compressor.memory.latent_from={fit}"])
     run = train(cfg, lm=tiny_lm).run_dir
     config = json.loads((run / "config.json").read_text())
     assert config["pooling"]["writer"] == "sender" and config["pooling"]["latent"] == 8
+    assert config["pooling"].get("latent_linear", False) is linear
     fresh = copy.deepcopy(tiny_lm)
     handoff = ILCPHandoff.from_pretrained(run, lm=fresh)
     assert isinstance(handoff.encoder.vae, ChunkVAE) and handoff.encoder.writer.model is fresh.model
+    assert handoff.encoder.vae.linear is linear
     n_tokens = len(fresh.tokenizer(CONTEXT, add_special_tokens=False)["input_ids"])
     payload = handoff.send(CONTEXT)
     assert tuple(payload.latent.shape) == (-(-n_tokens // 4), 8)

@@ -94,3 +94,46 @@ def test_the_curves_command_tabulates_a_latent_run_beside_its_full_width(tiny, w
     md = (tmp_path / "curves" / "curves.md").read_text()
     assert "a beta-VAE per chunk, latent 8 floats" in md and "| the writer's full width |" in md
     assert md.count("| no memory |") == 2 and (tmp_path / "curves" / "curves.png").stat().st_size > 0
+
+
+def test_the_linear_vae_starts_as_the_writers_best_linear_code_of_its_width(tiny):
+    """A linear ChunkVAE scales the vectors by one number and starts from their top principal
+    directions: its decoding of the mean latent is the vector projected on those directions (the
+    squared error's least for a linear code of that width), in the receiver's own geometry."""
+    from ilcp.encoder.chunk import ChunkVAE, decode_vectors
+
+    torch.manual_seed(0)
+    h, z = tiny.hidden_size, 8
+    vectors = torch.randn(256, h) @ torch.randn(h, h) * torch.linspace(0.1, 3.0, h) + 2.0
+    vae = ChunkVAE(h, z, 1024, beta=1e-4, linear=True)
+    assert sum(p.numel() for p in vae.parameters()) == 3 * h * z + 2 * z + h  # no body: one matrix each way
+    vae.set_standardisation(vectors)
+    assert torch.all(vae.input_std == vae.input_std[0])  # one scale for every dimension
+    share = vae.start_principal(vectors)
+    assert share.shape == (h,) and abs(float(share.sum()) - 1) < 1e-5
+    mean = vectors.mean(0)
+    _, _, vh = torch.linalg.svd(vectors - mean, full_matrices=False)
+    top = vh[:z]
+    projected = mean + (vectors - mean) @ top.T @ top
+    with torch.no_grad():
+        torch.testing.assert_close(decode_vectors(vae, vae.latent(vectors)), projected, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="linear chunk VAE's start"):
+        ChunkVAE(h, z, 16).start_principal(vectors)
+    with pytest.raises(ValueError, match="fewer than the latent's 8"):
+        ChunkVAE(h, z, 16, linear=True).start_principal(vectors[:4])
+
+
+def test_a_linear_latent_run_starts_at_its_principal_code_and_records_its_form(tiny, writer_run, tmp_path):
+    from safetensors.torch import load_file
+
+    rows = train_latent(tmp_path / "lin", tiny, writer_run, _cfg(linear=True, steps=20), log=lambda _m: None)
+    assert [r["step"] for r in rows] == [0, 20]
+    meta = json.loads((tmp_path / "lin" / "state" / "state.json").read_text())
+    assert meta["vae"]["linear"] is True and meta["config"]["linear"] is True and meta["vae"]["hidden_dim"] == 1
+    vae = load_file(str(tmp_path / "lin" / "state" / "vae.safetensors"))
+    assert vae["mu_head.weight"].shape == (8, tiny.hidden_size) and "body.0.weight" not in vae
+    # the principal start reads back at least as well as an MLP VAE's untrained start
+    mlp = train_latent(tmp_path / "mlp", tiny, writer_run, _cfg(steps=20), log=lambda _m: None)
+    assert rows[0]["squad"]["loss"] < mlp[0]["squad"]["loss"]
+    with pytest.raises(SystemExit):
+        main(["--writer", str(writer_run), "--out", str(tmp_path / "o"), "--linear", "maybe"])

@@ -206,10 +206,55 @@ class IdentityProjector(nn.Module):
 class ChunkVAE(BetaVAE):
     """The beta-VAE per chunk: the writer's vector (the LM's width) -> ``latent_dim`` floats on the
     wire -> the vector the receiver reads. Its decoder is on the answer's path here (the receiver
-    reads the decoding), so an answer loss trains it; only the logvar head is left out."""
+    reads the decoding), so an answer loss trains it; only the logvar head is left out.
+
+    ``linear``: one matrix each way (mu, logvar and the decoder; no body), the vectors scaled by
+    one number instead of per dimension, so its squared error is the receiver's own geometry; it
+    starts from the writer's principal directions (`start_principal`), the best linear code of its
+    width, and trains from there. Small (3 x H x Z weights) where the MLP's are 3 x hidden^2."""
+
+    def __init__(self, input_dim: int, latent_dim: int = 32, hidden_dim: int = 512, beta: float = 1.0,
+                 linear: bool = False):
+        super().__init__(input_dim, latent_dim, 1 if linear else hidden_dim, beta)
+        self.linear = bool(linear)
+        if self.linear:
+            self.body = nn.Identity()
+            self.mu_head = nn.Linear(input_dim, latent_dim)
+            self.logvar_head = nn.Linear(input_dim, latent_dim)
+            self.decoder = nn.Linear(latent_dim, input_dim)
 
     def freeze_unreached(self, kl_in_loss: bool) -> None:
         self.logvar_head.requires_grad_(kl_in_loss)
+
+    @torch.no_grad()
+    def set_standardisation(self, pooled: Tensor, eps: float = 1e-6) -> None:
+        super().set_standardisation(pooled, eps)
+        if self.linear:  # one scale for every dimension: the raw geometry the receiver reads
+            self.input_std.fill_(float(self.input_std.pow(2).mean().sqrt()))
+
+    @torch.no_grad()
+    def start_principal(self, vectors: Tensor, logvar: float = -8.0) -> Tensor:
+        """A linear VAE's start: mu = the standardised vector's coordinates on the top ``latent_dim``
+        principal directions of ``vectors`` (N, H), the decoder their sum back, logvar a constant.
+        Returns each direction's share of the variance (H,)."""
+        if not self.linear:
+            raise ValueError("start_principal is the linear chunk VAE's start")
+        if vectors.shape[0] < 2:
+            raise ValueError("need at least 2 vectors for principal directions")
+        x = self.standardise(vectors)
+        _, s, vh = torch.linalg.svd(x - x.mean(0), full_matrices=False)
+        top = vh[:self.latent_dim]
+        if top.shape[0] < self.latent_dim:
+            raise ValueError(f"{vectors.shape[0]} vectors give {top.shape[0]} principal directions, fewer than "
+                             f"the latent's {self.latent_dim}")
+        self.mu_head.weight.copy_(top)
+        self.mu_head.bias.zero_()
+        self.decoder.weight.copy_(top.T)
+        self.decoder.bias.zero_()
+        self.logvar_head.weight.zero_()
+        self.logvar_head.bias.fill_(logvar)
+        var = s.pow(2)
+        return var / var.sum()
 
 
 def decode_vectors(vae: BetaVAE, z: Tensor) -> Tensor:

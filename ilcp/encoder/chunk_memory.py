@@ -60,6 +60,9 @@ class ChunkMemory(MemoryKind):
                               configurable=False, compare=False)
     latent: int = setting(0, "floats a chunk crosses the wire as, through a beta-VAE per chunk (0 = the writer's "
                              "vector, the LM's width)", minimum=0, maximum=MAX_COUNT, omit_default=True)
+    # the VAE's form, recorded from latent_from's run: linear (one matrix each way) or the MLP
+    latent_linear: bool = setting(False, "with latent > 0: the beta-VAE is linear (one matrix each way), as "
+                                         "latent_from's run fitted it", configurable=False, omit_default=True)
     latent_from: str = setting("", "with latent > 0: the --out folder of python -m ilcp.training.chunk_latent, a "
                                    "beta-VAE fitted over the vectors of writer_from's writer",
                                exported=False, compare=False)
@@ -120,6 +123,8 @@ class ChunkMemory(MemoryKind):
             kind, pooler = dataclasses.replace(self, adapters=writer.adapted_modules), ChunkPooler(writer)
         else:
             kind, pooler = self, self.pooler(lm.hidden_size, hidden_size=lm.hidden_size)
+        if vae is not None:
+            kind = dataclasses.replace(kind, latent_linear=vae.linear)
         encoder = kind.encoder(vae, None, pooler)
         if self.writer_from:
             self.load_writer(encoder, Path(self.writer_from), lm.fingerprint)
@@ -155,7 +160,8 @@ class ChunkMemory(MemoryKind):
             raise ValueError(f"{where}: {folder} was fitted over the writer of {fitted_on}; this run's writer is "
                              f"{self.writer_from or 'untrained'} (compressor.memory.writer_from): fit the VAE over "
                              "that writer")
-        module = ChunkVAE(hidden_size, self.latent, int(vae["hidden_dim"]), float(vae["beta"]))
+        module = ChunkVAE(hidden_size, self.latent, int(vae["hidden_dim"]), float(vae["beta"]),
+                          linear=bool(vae.get("linear", False)))
         module.load_state_dict(load_file(str(folder / "state" / "vae.safetensors")))
         return module
 
@@ -229,7 +235,7 @@ class ChunkMemory(MemoryKind):
         if self.latent and not isinstance(vae, ChunkVAE):
             if vae is None or vae.latent_dim != self.latent:
                 raise ValueError(f"chunk memory with latent={self.latent}: needs a VAE of that latent width")
-            vae = ChunkVAE(vae.input_dim, vae.latent_dim, vae.hidden_dim, vae.beta)
+            vae = ChunkVAE(vae.input_dim, vae.latent_dim, vae.hidden_dim, vae.beta, linear=self.latent_linear)
         encoder = ChunkEncoder(pooler.writer, vae if self.latent else None, **receiver)
         encoder.memory_kind = self
         return encoder

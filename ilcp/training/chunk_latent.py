@@ -42,15 +42,18 @@ from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from .chunk_pretrain import (ChunkBatches, ChunkPretrainConfig, ChunkReader, chunk_corpus, cut, even_sample,
                              heldout_texts, read_back, tokenize)
-from .chunk_run import adam_moments, restore_adam_moments, run_with_lm
+from .chunk_run import adam_moments, parse_flag, restore_adam_moments, run_with_lm
 
 __all__ = ["ChunkLatentConfig", "LatentWriter", "train_latent"]
+
+PRINCIPAL_CHUNKS = 4096  # training chunks a linear VAE's principal directions come from
 
 
 @dataclass
 class ChunkLatentConfig:
     latent: int = 128  # floats a chunk crosses the wire as
-    hidden: int = 1024  # the VAE's body and decoder width
+    hidden: int = 1024  # the VAE's body and decoder width (an MLP VAE's)
+    linear: bool = False  # one matrix each way, started from the writer's principal directions (`ChunkVAE`)
     beta: float = 1e-4  # the KL's weight (the MSE is a mean per dimension, the KL a sum over the latent)
     steps: int = 3000  # vector-fit steps
     receiver_steps: int = 0  # then read-back steps through the receiver
@@ -148,7 +151,8 @@ def train_latent(out: Path, lm: LM, writer_from: Path, cfg: ChunkLatentConfig, *
     torch.manual_seed(cfg.seed)
     writer = load_writer(writer_from, lm)
     c = writer.chunk_tokens
-    model = LatentWriter(writer, ChunkVAE(lm.hidden_size, cfg.latent, cfg.hidden, beta=cfg.beta).to(lm.device))
+    model = LatentWriter(writer, ChunkVAE(lm.hidden_size, cfg.latent, cfg.hidden, beta=cfg.beta,
+                                          linear=cfg.linear).to(lm.device))
     opt = torch.optim.AdamW(model.vae.parameters(), lr=cfg.lr, weight_decay=0.0)
     reader = ChunkReader(lm)
     tok = lm.tokenizer
@@ -159,22 +163,30 @@ def train_latent(out: Path, lm: LM, writer_from: Path, cfg: ChunkLatentConfig, *
     heldout = {name: even_sample(cut(tokenize(tok, texts), c), cfg.heldout_chunks)
                for name, texts in heldout_texts(corpus_cfg).items()}
     meta = {"config": asdict(cfg), "writer_from": str(writer_from), "writer": writer.settings(),
-            "vae": {"input_dim": lm.hidden_size, "latent_dim": cfg.latent, "hidden_dim": cfg.hidden, "beta": cfg.beta}}
+            "vae": {"input_dim": lm.hidden_size, "latent_dim": cfg.latent, "hidden_dim": model.vae.hidden_dim,
+                    "beta": cfg.beta, "linear": cfg.linear}}
     step, seconds = 0, 0.0
     if resume and (out / "state" / "state.json").exists():
         saved = json.loads((out / "state" / "state.json").read_text())
         keep = ("steps", "receiver_steps")
-        if ({k: v for k, v in saved["config"].items() if k not in keep} != {k: v for k, v in meta["config"].items()
-                                                                           if k not in keep}
+        if ({k: v for k, v in saved["config"].items() if k not in keep}  # settings added since are not compared
+                != {k: meta["config"][k] for k in saved["config"] if k not in keep}
                 or saved["writer_from"] != str(writer_from)):
             raise ValueError(f"{out} was trained with other settings ({saved['config']}, writer "
                              f"{saved['writer_from']}); only --steps and --receiver-steps may change on --resume")
         step, seconds = _load(out, model, opt)
         log(f"[latent] resumed at step {step} ({seconds / 3600:.2f} h trained)")
     else:
-        with torch.no_grad():  # the VAE's standardisation from the first epoch's chunks
-            sample = torch.cat([fit.at(i) for i in range(min(fit.steps_per_epoch(), 16))])
-            model.vae.set_standardisation(model.vectors(reader.table[sample.to(reader.table.device)]))
+        with torch.no_grad():  # the VAE's standardisation (and a linear VAE's directions) from the first epoch's chunks
+            batches = max(16, math.ceil(PRINCIPAL_CHUNKS / cfg.batch_chunks)) if cfg.linear else 16
+            sample = torch.cat([fit.at(i) for i in range(min(fit.steps_per_epoch(), batches))])
+            vectors = torch.cat([model.vectors(reader.table[part.to(reader.table.device)])
+                                 for part in sample.split(cfg.batch_chunks)])
+            model.vae.set_standardisation(vectors)
+            if cfg.linear:
+                share = model.vae.start_principal(vectors)
+                log(f"[latent] linear VAE from the principal directions of {len(vectors)} vectors: the top "
+                    f"{cfg.latent} hold {float(share[:cfg.latent].sum()):.3f} of their variance")
     out.mkdir(parents=True, exist_ok=True)
     from ..provenance import provenance
 
@@ -257,7 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--resume", action="store_true", help="go on with the run in --out")
     for name, value in asdict(ChunkLatentConfig()).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"default {value!r}")
+        kind = parse_flag if isinstance(value, bool) else type(value)
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=f"default {value!r}")
     args = p.parse_args(argv)
     try:
         cfg = ChunkLatentConfig(**{k: getattr(args, k) for k in asdict(ChunkLatentConfig())})

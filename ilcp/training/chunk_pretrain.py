@@ -48,7 +48,7 @@ from ..encoder.chunk_sender import SenderChunkWriter, memory_token_id
 from ..io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from ..lm import LM
 from ..receiver.prompts import continuation_prompt, reconstruction_prompt
-from .chunk_run import adam_moments, restore_adam_moments, run_with_lm
+from .chunk_run import adam_moments, parse_flag, restore_adam_moments, run_with_lm
 
 HELDOUT_BABI = ("2", "11", "16")
 TRAINED_BABI = ("1", "3", "6", "7", "8", "9", "10", "15", "17", "18", "19", "20")  # the shipped tasks, held-out ones left out
@@ -436,14 +436,6 @@ def pretrain(out: Path, lm: LM, cfg: ChunkPretrainConfig, *, resume: bool = Fals
     return rows
 
 
-def _flag(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def load_settings(path: str | None, overrides: dict) -> tuple[ChunkPretrainConfig, dict]:
     """The run's settings: a YAML file of `ChunkPretrainConfig` fields plus ``lm``, ``dtype`` and
     ``device`` (all optional), then the command line's overrides. ValueError names a wrong key."""
@@ -476,7 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--resume", action="store_true", help="go on with the run in --out")
     for name, value in asdict(ChunkPretrainConfig()).items():
-        kind = _flag if isinstance(value, bool) else type(value)
+        kind = parse_flag if isinstance(value, bool) else type(value)
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {value!r}")
     args = p.parse_args(argv)
     try:

@@ -5,6 +5,7 @@ command line's tail that loads the LM and turns a user's mistake into one line, 
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from ..lm import LMLoadError, load_lm
 
-__all__ = ["adam_moments", "restore_adam_moments", "run_with_lm", "train_recipe"]
+__all__ = ["adam_moments", "parse_flag", "restore_adam_moments", "run_with_lm", "train_recipe"]
 
 
 def adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
@@ -37,6 +38,15 @@ def restore_adam_moments(module: torch.nn.Module, opt: torch.optim.Optimizer, mo
         if f"exp_avg.{name}" in moments:
             opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": moments[f"exp_avg.{name}"].to(p.device),
                             "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device)}
+
+
+def parse_flag(text: str) -> bool:
+    """A command line's true/false value (argparse's ``type`` for a bool setting)."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def run_with_lm(runtime: dict, call) -> int:
