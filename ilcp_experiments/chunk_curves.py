@@ -37,7 +37,9 @@ def read_run(folder: Path) -> dict:
 def heading(run: dict) -> str:
     cfg = run["config"]
     if "vae" in run:
-        return (f"### {run['name']}: a beta-VAE per chunk, latent {run['vae']['latent_dim']} floats (beta "
+        form = "a linear beta-VAE per chunk (started from the principal directions)" if run["vae"].get("linear") \
+            else "a beta-VAE per chunk"
+        return (f"### {run['name']}: {form}, latent {run['vae']['latent_dim']} floats (beta "
                 f"{run['vae']['beta']}), over the writer {run['writer_from']} (c = {run['writer']['chunk_tokens']}, "
                 f"frozen); {cfg['steps']} vector-fit steps of {cfg['batch_chunks']} chunks"
                 + (f", then {cfg['receiver_steps']} read-back steps" if cfg.get("receiver_steps") else ""))

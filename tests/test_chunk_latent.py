@@ -135,5 +135,10 @@ def test_a_linear_latent_run_starts_at_its_principal_code_and_records_its_form(t
     # the principal start reads back at least as well as an MLP VAE's untrained start
     mlp = train_latent(tmp_path / "mlp", tiny, writer_run, _cfg(steps=20), log=lambda _m: None)
     assert rows[0]["squad"]["loss"] < mlp[0]["squad"]["loss"]
+    from ilcp_experiments.chunk_curves import main as curves
+
+    assert curves([str(tmp_path / "lin"), "--out", str(tmp_path / "curves")]) == 0
+    assert "lin: a linear beta-VAE per chunk (started from the principal directions), latent 8 floats" in \
+        (tmp_path / "curves" / "curves.md").read_text()
     with pytest.raises(SystemExit):
         main(["--writer", str(writer_run), "--out", str(tmp_path / "o"), "--linear", "maybe"])
