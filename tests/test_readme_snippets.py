@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SERVING = ROOT / "docs" / "serving.md"
-SHIPPED = "pretrained/smollm2-general-chunk8"  # the general handoff the first snippet loads
+SHIPPED = "pretrained/smollm2-general-chunk8-sender-latent"  # the general handoff the first snippet loads
 
 
 def _block(kind: str, name: str, fence: str, page: Path = README) -> str:

@@ -137,5 +137,35 @@ def test_the_sender_latent_recipe_narrows_the_shipped_sender_writer(tmp_path):
     memory = cfg.compressor.memory
     assert memory.writer == "sender" and memory.sender_layers == 8 and memory.sender_rank == 16
     assert (REPO / memory.writer_from).resolve() == (REPO / "pretrained" / "smollm2-chunk8-sender").resolve()
-    assert memory.latent == 128 and memory.latent_from == "checkpoints/chunk-c8s-z128"
+    assert memory.latent == 128 and memory.latent_from == "checkpoints/chunk-c8s-l128"
     assert cfg.data.heldout_tasks == ["babi:2", "babi:11", "babi:16"] and cfg.handoff.finetune_encoder
+
+
+GENERAL_SENDER_LATENT = REPO / "pretrained" / "smollm2-general-chunk8-sender-latent"
+
+
+def test_the_latent_handoff_is_a_checked_export_of_a_linear_128_float_vae_with_its_card():
+    """The general handoff whose wire carries 128 floats a chunk (a linear beta-VAE over the LM writer)."""
+    assert sum(p.stat().st_size for p in GENERAL_SENDER_LATENT.iterdir()) < 20 << 20
+    run = read_export(GENERAL_SENDER_LATENT)
+    pooling = run.config["pooling"]
+    assert pooling["kind"] == "chunk" and pooling["writer"] == "sender" and len(pooling["adapters"]) == 8 * 7
+    assert pooling["latent"] == 128 and pooling["latent_linear"] is True
+    weights = load_file(str(GENERAL_SENDER_LATENT / "model.safetensors"))
+    assert weights["compressor.mu_head.weight"].shape == (128, 576)
+    assert not any(k.startswith("compressor.body.") and k.endswith(".weight") for k in weights)  # no MLP body
+    card = (GENERAL_SENDER_LATENT / "README.md").read_text()
+    assert "chunk-c8s-l128" in card and "| babi:16 (held out) |" in card and "prompt_tuned -" not in card
+
+
+@pytest.mark.slow
+def test_the_latent_handoff_sends_128_floats_a_chunk_and_answers_with_no_training(smollm2):
+    from ilcp.handoff import ILCPHandoff
+
+    handoff = ILCPHandoff.from_pretrained(GENERAL_SENDER_LATENT, lm=smollm2)
+    story = "Mary moved to the bathroom. John went to the hallway. Mary travelled to the office."
+    payload = handoff.send(story)
+    ids = smollm2.tokenizer(story, add_special_tokens=False)["input_ids"]
+    assert tuple(payload.latent.shape) == (-(-len(ids) // 8), 128)
+    answer = handoff.open(payload.to_bytes()).ask("Where is John?")
+    assert isinstance(answer, str) and answer.strip()
