@@ -148,7 +148,7 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.config and Path(args.config).is_dir():
         parser.error(f"--config {args.config!r} is a directory: pass a YAML file such as configs/tiny.yaml")
     if is_chunk_recipe(args.config):  # configs/pretrain-gpu.yaml: a chunk pretraining on text alone, its own loop
-        from .training.chunk_run import train_recipe
+        from .training.chunk_recipe import train_recipe
         return train_recipe(args.config, args.overrides, resume=args.resume, overwrite=args.overwrite)
     try:
         cfg = load_config(args.config, args.overrides)

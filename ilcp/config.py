@@ -278,7 +278,7 @@ def settings_help() -> str:
 
 def is_chunk_recipe(path: str | None) -> bool:
     """Whether a YAML file is a chunk pretraining recipe (its top level names ``chunk_tokens``), which
-    ``python train.py --config FILE`` runs as `ilcp.training.chunk_run.train_recipe` instead of the
+    ``python train.py --config FILE`` runs as `ilcp.training.chunk_recipe.train_recipe` instead of the
     handoff pipeline."""
     if not path or not Path(path).is_file():
         return False
