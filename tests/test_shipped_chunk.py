@@ -108,28 +108,19 @@ def test_the_sender_window_writer_counts_both_stages_and_the_general_sender_hand
 GENERAL_SENDER_WINDOW = REPO / "pretrained" / "smollm2-general-chunk8-sender-window"
 
 
-def test_the_general_handoff_on_the_window_stage_sender_writer_is_a_checked_export_with_its_card():
-    assert sum(p.stat().st_size for p in GENERAL_SENDER_WINDOW.iterdir()) < 20 << 20
-    run = read_export(GENERAL_SENDER_WINDOW)
-    pooling = run.config["pooling"]
+def _sender_handoff(folder: Path) -> tuple[dict, str]:
+    """A shipped general handoff on the LM writer: under 20 MiB, a checked export (schema, config.json's
+    digest, the weights' sha256) whose writer is the LM with adapters on 8 layers; its pooling and card."""
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 20 << 20
+    pooling = read_export(folder).config["pooling"]
     assert pooling["kind"] == "chunk" and pooling["writer"] == "sender" and len(pooling["adapters"]) == 8 * 7
-    card = (GENERAL_SENDER_WINDOW / "README.md").read_text()
+    return pooling, (folder / "README.md").read_text()
+
+
+def test_the_general_handoff_on_the_window_stage_sender_writer_is_a_checked_export_with_its_card():
+    _, card = _sender_handoff(GENERAL_SENDER_WINDOW)
     assert "compressor.memory.writer_from=pretrained/smollm2-chunk8-sender-window" in card
     assert "| babi:11 (held out) |" in card and "prompt_tuned -" not in card  # every baseline row measured
-
-
-@pytest.mark.slow
-def test_the_general_sender_handoff_answers_with_no_training(smollm2):
-    from ilcp.handoff import ILCPHandoff
-
-    handoff = ILCPHandoff.from_pretrained(GENERAL_SENDER, lm=smollm2)
-    assert handoff.encoder.writer.model is smollm2.model  # the writer is the LM the handoff was given
-    story = "Mary moved to the bathroom. John went to the hallway. Mary travelled to the office."
-    payload = handoff.send(story)
-    ids = smollm2.tokenizer(story, add_special_tokens=False)["input_ids"]
-    assert tuple(payload.latent.shape) == (-(-len(ids) // 8), 576)
-    answer = handoff.open(payload.to_bytes()).ask("Where is John?")
-    assert isinstance(answer, str) and answer.strip()
 
 
 def test_the_sender_latent_recipe_narrows_the_shipped_sender_writer(tmp_path):
@@ -146,26 +137,27 @@ GENERAL_SENDER_LATENT = REPO / "pretrained" / "smollm2-general-chunk8-sender-lat
 
 def test_the_latent_handoff_is_a_checked_export_of_a_linear_128_float_vae_with_its_card():
     """The general handoff whose wire carries 128 floats a chunk (a linear beta-VAE over the LM writer)."""
-    assert sum(p.stat().st_size for p in GENERAL_SENDER_LATENT.iterdir()) < 20 << 20
-    run = read_export(GENERAL_SENDER_LATENT)
-    pooling = run.config["pooling"]
-    assert pooling["kind"] == "chunk" and pooling["writer"] == "sender" and len(pooling["adapters"]) == 8 * 7
+    pooling, card = _sender_handoff(GENERAL_SENDER_LATENT)
     assert pooling["latent"] == 128 and pooling["latent_linear"] is True
     weights = load_file(str(GENERAL_SENDER_LATENT / "model.safetensors"))
     assert weights["compressor.mu_head.weight"].shape == (128, 576)
     assert not any(k.startswith("compressor.body.") and k.endswith(".weight") for k in weights)  # no MLP body
-    card = (GENERAL_SENDER_LATENT / "README.md").read_text()
     assert "chunk-c8s-l128" in card and "| babi:16 (held out) |" in card and "prompt_tuned -" not in card
 
 
 @pytest.mark.slow
-def test_the_latent_handoff_sends_128_floats_a_chunk_and_answers_with_no_training(smollm2):
+@pytest.mark.parametrize("folder, floats", [(GENERAL_SENDER, 576), (GENERAL_SENDER_LATENT, 128)],
+                         ids=["full-width", "latent-128"])
+def test_the_sender_handoffs_answer_with_no_training(smollm2, folder, floats):
+    """The LM writer's shipped handoffs bind the writer to the LM they are given and send one row of
+    `floats` a chunk of 8 tokens (the LM's width, or the linear VAE's latent)."""
     from ilcp.handoff import ILCPHandoff
 
-    handoff = ILCPHandoff.from_pretrained(GENERAL_SENDER_LATENT, lm=smollm2)
+    handoff = ILCPHandoff.from_pretrained(folder, lm=smollm2)
+    assert handoff.encoder.writer.model is smollm2.model  # the writer is the LM the handoff was given
     story = "Mary moved to the bathroom. John went to the hallway. Mary travelled to the office."
     payload = handoff.send(story)
     ids = smollm2.tokenizer(story, add_special_tokens=False)["input_ids"]
-    assert tuple(payload.latent.shape) == (-(-len(ids) // 8), 128)
+    assert tuple(payload.latent.shape) == (-(-len(ids) // 8), floats)
     answer = handoff.open(payload.to_bytes()).ask("Where is John?")
     assert isinstance(answer, str) and answer.strip()
