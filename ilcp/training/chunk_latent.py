@@ -14,6 +14,11 @@ receiver reads where it read the writer's. Two losses, in turn:
   receiver says the chunk back, as in the writer's pretraining), plus ``beta`` times the KL; the
   writer stays frozen, the VAE learns.
 
+With ``linear`` the VAE is one matrix each way, its vectors scaled by one number, started from the
+top ``latent`` principal directions of the writer's vectors on `PRINCIPAL_CHUNKS` training chunks
+(`ChunkVAE.start_principal`): the MLP VAE's per-dimension standardisation weighs every dimension alike,
+the receiver does not.
+
 The held-out read-back (the writer's own sets: SQuAD validation, the books' validation passages,
 the held-out bAbI tasks' stories) of the decoded vectors is measured every ``eval_every`` steps
 beside the writer's full-width vectors and no memory, into ``curve.jsonl``. The state is written
